@@ -1,0 +1,101 @@
+"""Llama and Phi-3 decoders as pure functions of a params pytree.
+
+`config` and `plan` are static: a sub-layer the plan skips is never traced, so every
+(config, plan, shapes) combination compiles to exactly the work it does.
+
+Params: {"embed": [V, D], "layers": [per-layer dict], "final_norm": [D], "lm_head": [V, D] (absent
+when tied)}. Linear weights are [in, out]; Llama layers hold q/k/v/gate/up, Phi-3 layers the fused
+qkv and gate_up it ships with.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from s3djax import cache as kv
+from s3djax.config import ModelConfig
+from s3djax.layers import apply_rope, attend, rms_norm, rope_tables, swiglu
+from s3djax.skip_plan import SkipPlan
+
+
+def _qkv(p, h, config: ModelConfig):
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    if "qkv" in p:
+        qkv = h @ p["qkv"]
+        return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+    return h @ p["q"], h @ p["k"], h @ p["v"]
+
+
+def _mlp(p, h):
+    if "gate_up" in p:
+        gate, up = jnp.split(h @ p["gate_up"], 2, axis=-1)
+    else:
+        gate, up = h @ p["gate"], h @ p["up"]
+    return swiglu(gate, up) @ p["down"]
+
+
+def attention_block(p, x, cos, sin, layer_cache, slots, mask, config: ModelConfig):
+    b, t, _ = x.shape
+    q, k, v = _qkv(p, rms_norm(x, p["attn_norm"], config.rms_norm_eps), config)
+    q = apply_rope(q.reshape(b, t, config.num_heads, config.head_dim), cos, sin)
+    k = apply_rope(k.reshape(b, t, config.num_kv_heads, config.head_dim), cos, sin)
+    v = v.reshape(b, t, config.num_kv_heads, config.head_dim)
+    layer_cache = kv.write(layer_cache, k, v, slots)
+    out = attend(q, layer_cache["k"], layer_cache["v"], mask)
+    return x + out @ p["o"], layer_cache
+
+
+def mlp_block(p, x, config: ModelConfig):
+    return x + _mlp(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
+
+
+def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfig, plan: SkipPlan | None = None):
+    """Run new tokens through the layers the plan keeps, writing their K/V into the cache.
+
+    tokens, positions: [B, T] int32 (positions are RoPE positions); slots: [B] int32, the first
+    cache slot of each row's T new tokens; mask: [B, T, S] bool over cache slots after the write.
+    Returns (final-normed hidden states [B, T, D], cache). Layers whose attention is skipped keep
+    their cache untouched.
+    """
+    plan = (plan or SkipPlan.full(config.num_layers)).check(config.num_layers)
+    x = params["embed"][tokens]
+    cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
+    new_cache = []
+    for p, layer_cache, run_attn, run_mlp in zip(params["layers"], cache, plan.attn, plan.mlp):
+        if run_attn:
+            x, layer_cache = attention_block(p, x, cos, sin, layer_cache, slots, mask, config)
+        if run_mlp:
+            x = mlp_block(p, x, config)
+        new_cache.append(layer_cache)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
+
+
+def logits(params, hidden):
+    """LM-head logits in fp32. The head is [V, D] like the embedding, so tied and untied read alike."""
+    head = params.get("lm_head", params["embed"])
+    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+
+
+def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:
+    """Random params (tests, shape checks); real ones come from `s3djax.weights`."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kvs = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    keys = iter(jax.random.split(key, 8 * config.num_layers + 2))
+
+    def dense(*shape):
+        return (0.02 * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    layers = []
+    for _ in range(config.num_layers):
+        layer = {"attn_norm": jnp.ones(d, dtype), "mlp_norm": jnp.ones(d, dtype), "o": dense(q, d), "down": dense(f, d)}
+        if config.arch == "phi3":
+            layer.update(qkv=dense(d, q + 2 * kvs), gate_up=dense(d, 2 * f))
+        else:
+            layer.update(q=dense(d, q), k=dense(d, kvs), v=dense(d, kvs), gate=dense(d, f), up=dense(d, f))
+        layers.append(layer)
+    params = {"embed": dense(config.vocab_size, d), "layers": layers, "final_norm": jnp.ones(d, dtype)}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = dense(config.vocab_size, d)
+    return params
