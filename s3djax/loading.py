@@ -1,0 +1,94 @@
+"""One entry point from a model name or path to (config, params, tokenizer), with progress."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax.numpy as jnp
+
+from s3djax import registry, tokenizer, weights
+from s3djax.config import ModelConfig
+from s3djax.errors import UserError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    params: dict
+    tokenizer: object
+    load_s: float
+
+
+def _with_progress(get, total: int, label: str, show: bool):
+    if not show:
+        return get
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"loading {label}", unit="tensor", file=sys.stderr, leave=False)
+
+    def counted(name):
+        out = get(name)
+        bar.update()
+        if bar.n == total:
+            bar.close()
+        return out
+
+    return counted
+
+
+def _num_tensors(config: ModelConfig) -> int:
+    return 2 + (not config.tie_word_embeddings) + config.num_layers * (6 if config.arch == "phi3" else 9)
+
+
+def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
+               attention: str = "xla", progress: bool = True) -> LoadedModel:
+    """`name_or_path`: a registry name, a .gguf file, or a Hugging Face checkpoint folder.
+
+    Registry shapes without a shipped file (llama-2-7b, ...) need `checkpoint`, and the folder is
+    checked against the shape.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    start = time.perf_counter()
+    entry = None
+    looks_like_path = os.sep in name_or_path or name_or_path.endswith(".gguf")
+    if (looks_like_path or os.path.exists(name_or_path)) and checkpoint is None:
+        path = name_or_path
+    else:
+        entry = registry.lookup(name_or_path)
+        if entry.format == "gguf":
+            path = checkpoint or entry.path()
+        elif checkpoint is None:
+            raise UserError(f"{entry.name} is a shape, not a shipped model: pass --checkpoint DIR "
+                            "(a Hugging Face folder with config.json and *.safetensors)")
+        else:
+            path = checkpoint
+    if not os.path.exists(path):
+        raise UserError(f"no such file or folder: {path}")
+    label = entry.name if entry else os.path.basename(os.path.normpath(path))
+    # The tokenizer is built on a second thread: it is mostly transformers' import, which
+    # overlaps well with dequantizing weights in NumPy.
+    pool = ThreadPoolExecutor(1)
+    if path.endswith(".gguf"):
+        gf = weights.GGUFFile(path)
+        config, get = gf.config(), gf.hf_tensor(gf.config())
+        tok = pool.submit(tokenizer.from_gguf, gf)
+    elif os.path.isdir(path):
+        config, get = weights.open_hf_folder(path)
+        tok = pool.submit(tokenizer.from_folder, path)
+    else:
+        raise UserError(f"{path} is neither a .gguf file nor a checkpoint folder")
+    if entry:
+        entry.check_shape(config, path)
+    config = config.replace(attention=attention)
+    params = weights.from_hf_tensors(_with_progress(get, _num_tensors(config), label, progress), config, DTYPES[dtype])
+    tok = tok.result()
+    pool.shutdown()
+    return LoadedModel(label, config, params, tok, time.perf_counter() - start)

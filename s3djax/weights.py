@@ -1,0 +1,196 @@
+"""Checkpoints in, params pytree out: Hugging Face folders (config.json + safetensors) and GGUF.
+
+Both formats go through the same Hugging Face tensor names (`from_hf_tensors`), so there is one
+mapping onto our layout; GGUF is first renamed (and llama.cpp's q/k row permutation undone).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from s3djax.config import ModelConfig, RopeScaling
+from s3djax.errors import UserError
+
+_LAYER = "model.layers.{}."
+_LLAMA_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
+_PHI3_LAYER = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
+_SHARED_LAYER = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def _layer_linears(config: ModelConfig) -> dict[str, str]:
+    return {**(_PHI3_LAYER if config.arch == "phi3" else _LLAMA_LAYER), **_SHARED_LAYER}
+
+
+def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype=jnp.float32) -> dict:
+    """Build params from a getter of Hugging Face-named tensors ([out, in] linears), one at a time."""
+
+    def linear(name):  # HF stores [out, in]; we multiply x @ w with w [in, out]
+        return jnp.asarray(np.asarray(get(name + ".weight")).T, dtype)
+
+    def vector(name):
+        return jnp.asarray(get(name + ".weight"), dtype)
+
+    layers = []
+    for i in range(config.num_layers):
+        prefix = _LAYER.format(i)
+        layer = {ours: linear(prefix + theirs) for ours, theirs in _layer_linears(config).items()}
+        layer.update({ours: vector(prefix + theirs) for ours, theirs in _NORMS.items()})
+        layers.append(layer)
+    params = {"embed": vector("model.embed_tokens"), "layers": layers, "final_norm": vector("model.norm")}
+    if not config.tie_word_embeddings:
+        params["lm_head"] = vector("lm_head")
+    return params
+
+
+def to_hf_tensors(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of `from_hf_tensors`, in fp32: for loading our weights into transformers."""
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+    out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
+    if "lm_head" in params:
+        out["lm_head.weight"] = f32(params["lm_head"])
+    for i, layer in enumerate(params["layers"]):
+        prefix = _LAYER.format(i)
+        out.update({f"{prefix}{theirs}.weight": f32(layer[ours]).T for ours, theirs in _layer_linears(config).items()})
+        out.update({f"{prefix}{theirs}.weight": f32(layer[ours]) for ours, theirs in _NORMS.items()})
+    return out
+
+
+def open_hf_folder(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
+    """The folder's config and a getter of its tensors by Hugging Face name (read lazily)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise UserError(f"{path} is not a Hugging Face checkpoint folder: it has no config.json")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UserError(f"{path} has no *.safetensors weights (s3djax reads safetensors, not .bin)")
+    with open(config_file) as f:
+        config = ModelConfig.from_hf(json.load(f))
+    from safetensors import safe_open
+
+    # "flax" rather than "numpy": NumPy has no bfloat16, and most checkpoints are bf16.
+    handles = [safe_open(file, framework="flax") for file in files]
+    where = {name: h for h in handles for name in h.keys()}
+
+    def get(name):
+        if name not in where:
+            raise UserError(f"checkpoint {path} lacks tensor {name}")
+        return where[name].get_tensor(name)
+
+    if "lm_head.weight" not in where:
+        config = config.replace(tie_word_embeddings=True)
+    return config, get
+
+
+def load_hf_folder(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+    config, get = open_hf_folder(path)
+    return config, from_hf_tensors(get, config, dtype)
+
+
+# ----------------------------------------------------------------------------------------- GGUF
+
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+               "ffn_gate": "mlp.gate_proj", "ffn_down": "mlp.down_proj"}
+
+
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
+    stem = name.removesuffix(".weight")
+    if stem in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[stem] + ".weight"
+    parts = stem.split(".")
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    if parts[2] == "ffn_up":  # Phi-3 ships gate and up fused in the tensor llama.cpp calls ffn_up
+        theirs = "mlp.gate_up_proj" if arch == "phi3" else "mlp.up_proj"
+    else:
+        theirs = _GGUF_LAYER.get(parts[2])
+    return theirs and f"{_LAYER.format(parts[1])}{theirs}.weight"
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row order for q/k so rotate-half RoPE applies."""
+    out_dim, in_dim = w.shape
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+class GGUFFile:
+    """A parsed GGUF: metadata fields, and tensors dequantized to fp32 on request."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise UserError(f"no such GGUF file: {path}")
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # gguf raises plain ValueError/struct errors on a bad file
+            raise UserError(f"{path} is not a readable GGUF file ({e})") from None
+        self.path = path
+        self.arch = self.field("general.architecture")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def config(self) -> ModelConfig:
+        a = self.arch
+        if a not in ("llama", "phi3"):
+            raise UserError(f"{self.path}: GGUF architecture {a!r} is not supported (llama, phi3 are)")
+        heads = self.field(f"{a}.attention.head_count")
+        hidden = self.field(f"{a}.embedding_length")
+        head_dim = hidden // heads
+        rotary = self.field(f"{a}.rope.dimension_count", head_dim)
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
+        return ModelConfig(
+            arch=a,
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(self.field(f"{a}.feed_forward_length")),
+            num_layers=int(self.field(f"{a}.block_count")),
+            num_heads=int(heads),
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(head_dim),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=RopeScaling(),
+            partial_rotary_factor=rotary / head_dim,
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+
+    def hf_tensor(self, config: ModelConfig) -> Callable[[str], np.ndarray]:
+        """A getter of Hugging Face-named fp32 tensors, dequantizing each one as it is asked for."""
+        from gguf.quants import dequantize
+
+        by_hf = {_gguf_to_hf_name(n, self.arch): t for n, t in self.tensors.items()}
+
+        def get(name):
+            t = by_hf.get(name)
+            if t is None:
+                raise UserError(f"{self.path} lacks the tensor for {name}")
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = unpermute_rope_rows(w, config.num_heads if "q_proj" in name else config.num_kv_heads)
+            return w
+
+        return get
+
+
+def load_gguf(path: str, dtype=jnp.float32) -> tuple[ModelConfig, dict, GGUFFile]:
+    gf = GGUFFile(path)
+    config = gf.config()
+    return config, from_hf_tensors(gf.hf_tensor(config), config, dtype), gf

