@@ -1,0 +1,155 @@
+"""Autoregressive decoding as one jitted `lax.while_loop`, and the host runner that times and streams it.
+
+`ARDecoder` is a frozen dataclass of static settings (gemma's sampler pattern): `start` prefills a
+padded prompt bucket and picks the first token; `decode` runs the loop on device until EOS, the
+cache fills, or `stop_at` tokens exist. `stop_at` is traced, so streaming in chunks and any
+--max-new-tokens reuse one executable per (model, plan, dtype, cache length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.errors import UserError
+from s3djax.sampling import Sampling, sample
+from s3djax.skip_plan import SkipPlan
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ARDecoder:
+    config: ModelConfig
+    max_cache_len: int
+    eos_ids: tuple[int, ...]
+    pad_id: int = 0
+    plan: SkipPlan | None = None
+    sampling: Sampling = Sampling()
+    cache_dtype: str = "float32"
+
+    def check_prompt(self, n: int) -> None:
+        if n == 0:
+            raise UserError("the prompt is empty")
+        if n >= self.max_cache_len:
+            raise UserError(f"the prompt has {n} tokens but the cache holds {self.max_cache_len}; "
+                            "raise --max-cache-len or shorten the prompt")
+
+    def _step(self, params, tokens, positions, cache, slots, mask):
+        hidden, cache = model.forward(params, tokens, positions, cache, slots, mask, config=self.config, plan=self.plan)
+        return hidden, cache
+
+    def start(self, params, prompt, lengths, key):
+        """Prefill right-padded prompts [B, P] (real lengths [B]) and sample each row's first token."""
+        b, p = prompt.shape
+        cache = kv.init_cache(self.config, b, self.max_cache_len, jnp.dtype(self.cache_dtype))
+        slots = jnp.zeros((b,), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        hidden, cache = self._step(params, prompt, positions, cache, slots, kv.causal_mask(slots, p, self.max_cache_len))
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        key, sub = jax.random.split(key)
+        first = sample(model.logits(params, last), sub, self.sampling)
+        out = jnp.full((b, self.max_cache_len), self.pad_id, jnp.int32).at[:, 0].set(first)
+        return dict(tokens=out, cache=cache, step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
+                    done=self._is_eos(first), key=key)
+
+    def _is_eos(self, tokens):
+        return jnp.isin(tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32))
+
+    def decode(self, params, state, stop_at):
+        """Generate until every row hit EOS, the cache is full, or `stop_at` tokens exist."""
+
+        def cond(s):
+            return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < self.max_cache_len)
+
+        def body(s):
+            slots = s["length"]
+            hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots,
+                                       kv.causal_mask(slots, 1, self.max_cache_len))
+            key, sub = jax.random.split(s["key"])
+            nxt = sample(model.logits(params, hidden[:, 0]), sub, self.sampling)
+            nxt = jnp.where(s["done"], self.pad_id, nxt)
+            tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], nxt[:, None], s["step"], axis=1)
+            return dict(tokens=tokens, cache=cache, step=s["step"] + 1, last=nxt, length=slots + 1,
+                        done=s["done"] | self._is_eos(nxt), key=key)
+
+        return jax.lax.while_loop(cond, body, state)
+
+
+def bucket(length: int, max_len: int) -> int:
+    """Prefill width: the next power of two (at least MIN_BUCKET), capped at the cache length."""
+    return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]          # new tokens, EOS included if it was produced
+    prompt_tokens: int
+    compile_s: float
+    ttft_s: float              # prefill and first token, compile excluded
+    decode_s: float            # the loop after the first token
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if len(self.tokens) > 1 and self.decode_s > 0 else 0.0
+
+
+class Runner:
+    """Host side: ahead-of-time compiles (so compile time is reported apart), runs, times, streams."""
+
+    def __init__(self, decoder: ARDecoder, params):
+        self.decoder, self.params = decoder, params
+        self._executables: dict = {}
+
+    def _compiled(self, name: str, fn, *args):
+        key = (name,) + tuple((a.shape, a.dtype) for a in jax.tree.leaves(args) if hasattr(a, "shape"))
+        if key not in self._executables:
+            t = time.perf_counter()
+            donate = (1,) if name == "decode" else ()
+            self._executables[key] = (jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(),
+                                      time.perf_counter() - t)
+            return self._executables[key][0], self._executables[key][1]
+        return self._executables[key][0], 0.0
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
+                 on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16) -> Result:
+        """Generate for one prompt; `on_tokens(all_new_tokens_so_far)` is called after each chunk."""
+        d = self.decoder
+        n = len(prompt_ids)
+        d.check_prompt(n)
+        max_new_tokens = min(max_new_tokens, d.max_cache_len - n)
+        width = bucket(n, d.max_cache_len)
+        prompt = np.full((1, width), d.pad_id, np.int32)
+        prompt[0, :n] = prompt_ids
+        args = (jnp.asarray(prompt), jnp.asarray([n], jnp.int32), jax.random.key(seed))
+        start, compile_s = self._compiled("start", d.start, *args)
+        t = time.perf_counter()
+        state = start(self.params, *args)
+        first = np.asarray(state["tokens"])[0, :1].tolist()
+        ttft = time.perf_counter() - t
+        if on_tokens:
+            on_tokens(first)
+        stop = jnp.int32(0)
+        decode, c = self._compiled("decode", d.decode, state, stop)
+        compile_s += c
+        t = time.perf_counter()
+        step, done = 1, bool(np.asarray(state["done"]).all())
+        while step < max_new_tokens and not done:
+            stop_at = min(max_new_tokens, step + chunk) if on_tokens else max_new_tokens
+            state = decode(self.params, state, jnp.int32(stop_at))
+            new_step = int(state["step"])
+            done = bool(np.asarray(state["done"]).all()) or new_step == step
+            step = new_step
+            if on_tokens:
+                on_tokens(np.asarray(state["tokens"])[0, :step].tolist())
+        decode_s = time.perf_counter() - t
+        tokens = np.asarray(state["tokens"])[0, :step].tolist()
+        return Result(tokens=tokens, prompt_tokens=n, compile_s=compile_s, ttft_s=ttft, decode_s=decode_s)

@@ -1,0 +1,131 @@
+"""The on-device AR loop: same tokens as recomputing from scratch and as transformers, compiled once."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax import monitoring
+
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.decode import ARDecoder, Runner, bucket
+from s3djax.errors import UserError
+from s3djax.sampling import Sampling, process_logits, sample
+from s3djax.tokenizer import encode_prompt
+
+TINY = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=4,
+                   num_kv_heads=2, head_dim=12, rope_theta=500.0)
+
+
+def naive_greedy(params, config, prompt, n, width=64):
+    """Greedy decoding that re-runs the whole sequence for every token: slow and obviously right.
+
+    The sequence is padded to a fixed width (causal attention ignores what follows), so it compiles once.
+    """
+
+    @jax.jit
+    def full_forward(seq):
+        slots = jnp.zeros((1,), jnp.int32)
+        hidden, _ = model.forward(params, seq, jnp.arange(width)[None], kv.init_cache(config, 1, width), slots,
+                                  kv.causal_mask(slots, width, width), config=config)
+        return model.logits(params, hidden[0])
+
+    seq = list(prompt)
+    for _ in range(n):
+        logits = full_forward(jnp.asarray([seq + [0] * (width - len(seq))]))
+        seq.append(int(jnp.argmax(logits[len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    # A larger init than 0.02 so the argmax is decided by the weights, not by noise.
+    params = model.init_params(TINY, jax.random.key(1))
+    return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, params)
+
+
+def test_loop_matches_naive_greedy_for_prompts_of_several_lengths(tiny_params):
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
+    outputs = set()
+    for prompt in ([5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 30))):
+        got = runner.generate(prompt, 12).tokens
+        assert got == naive_greedy(tiny_params, TINY, prompt, 12)
+        outputs.add(tuple(got))
+    assert len(outputs) == 3  # the prompts steer the output: the comparison is not between constants
+
+
+def test_eos_stops_the_loop_and_is_kept(tiny_params):
+    reference = naive_greedy(tiny_params, TINY, [7, 8, 9], 10)
+    eos = reference[4]
+    got = Runner(ARDecoder(TINY, 64, eos_ids=(eos,)), tiny_params).generate([7, 8, 9], 10).tokens
+    assert got == reference[:reference.index(eos) + 1]
+
+
+def test_generation_stops_when_the_cache_is_full(tiny_params):
+    result = Runner(ARDecoder(TINY, 20, eos_ids=()), tiny_params).generate(list(range(15)), 50)
+    assert len(result.tokens) == 5
+    with pytest.raises(UserError, match="prompt has 20 tokens but the cache holds 20"):
+        Runner(ARDecoder(TINY, 20, eos_ids=()), tiny_params).generate(list(range(20)), 5)
+
+
+def test_skip_plan_decodes_the_skipped_model(tiny_params):
+    from s3djax.skip_plan import SkipPlan
+
+    plan = SkipPlan.parse("1", 3)
+    dropped = {**tiny_params, "layers": [tiny_params["layers"][0], tiny_params["layers"][2]]}
+    got = Runner(ARDecoder(TINY, 64, eos_ids=(), plan=plan), tiny_params).generate([4, 2], 8).tokens
+    assert got == naive_greedy(dropped, TINY.replace(num_layers=2), [4, 2], 8)
+
+
+def test_compiles_once_across_prompt_lengths_and_token_budgets(tiny_params):
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
+    runner.generate([1, 2, 3], 5)                     # compiles start (bucket 16) and decode
+    warm = len(compiles)
+    runner.generate(list(range(1, 12)), 9, on_tokens=lambda t: None, chunk=3)  # same bucket, streamed
+    runner.generate([4, 5], 2, seed=3)
+    assert len(compiles) == warm, "a prompt in the same bucket or another token budget recompiled"
+    runner.generate(list(range(1, 20)), 4)            # bucket 32: only the prefill compiles
+    assert len(compiles) == warm + 1
+    assert bucket(19, 64) == 32 and bucket(3, 64) == 16 and bucket(60, 64) == 64
+
+
+def test_streamed_chunks_equal_the_single_call(tiny_params):
+    seen = []
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
+    streamed = runner.generate([9, 9, 9], 11, on_tokens=lambda t: seen.append(list(t)), chunk=4).tokens
+    assert streamed == runner.generate([9, 9, 9], 11).tokens
+    assert [len(s) for s in seen] == [1, 5, 9, 11] and seen[-1] == streamed
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_top_p(tiny_params):
+    sampled = Runner(ARDecoder(TINY, 64, eos_ids=(), sampling=Sampling(1.0)), tiny_params)
+    a, b, c = (sampled.generate([1, 2, 3], 10, seed=s).tokens for s in (0, 0, 1))
+    assert a == b and a != c
+    greedy = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params).generate([1, 2, 3], 10).tokens
+    for s in (Sampling(1.0, top_k=1), Sampling(1.0, top_p=1e-6)):
+        assert Runner(ARDecoder(TINY, 64, eos_ids=(), sampling=s), tiny_params).generate([1, 2, 3], 10,
+                                                                                           seed=5).tokens == greedy
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda s: np.isfinite(np.asarray(process_logits(logits, s)))[0].tolist()
+    assert kept(Sampling(1.0, top_k=2)) == [True, True, False, False]
+    assert kept(Sampling(1.0, top_p=0.8)) == [True, True, False, False]
+    assert kept(Sampling(1.0, top_p=0.81)) == [True, True, True, False]
+    draws = sample(jnp.repeat(logits, 4000, axis=0), jax.random.key(0), Sampling(1.0))
+    freq = np.bincount(np.asarray(draws), minlength=4) / 4000
+    np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_smollm2_greedy_matches_transformers_generate(smollm2, smollm2_hf):
+    ids = encode_prompt(smollm2.tokenizer, "What is the tallest mountain in the world?", chat_template=True)
+    ours = Runner(ARDecoder(smollm2.config, 256, eos_ids=(2,)), smollm2.params).generate(ids, 32).tokens
+    with torch.no_grad():
+        ref = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2,
+                                  pad_token_id=2)[0, len(ids):].tolist()
+    assert ours == ref
+    assert "Everest" in smollm2.tokenizer.decode(ours)
