@@ -1,0 +1,114 @@
+"""`python -m infer.generate`: stream a completion from a model, then print a stats line.
+
+Text streams to stdout; progress and the stats line go to stderr. With --json, stdout ends with one
+JSON object instead of the streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from infer.cli import Parser, run
+
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+METHODS = ("ar",)
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
+    p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text (default: --prompt-file, else stdin, else a built-in prompt)")
+    source.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--method", choices=METHODS, default="ar")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-cache-len", type=int, default=2048)
+    p.add_argument("--attention", choices=("xla",), default="xla")
+    p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp" (default: none)')
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON object instead of streaming")
+    args = p.parse_args(argv)
+    for name, ok in (("--max-new-tokens", args.max_new_tokens >= 1), ("--max-cache-len", args.max_cache_len >= 2),
+                     ("--temperature", args.temperature >= 0), ("--top-k", args.top_k >= 0),
+                     ("--top-p", 0 < args.top_p <= 1)):
+        if not ok:
+            p.error(f"argument {name}: invalid value {getattr(args, name[2:].replace('-', '_'))}")
+    return args
+
+
+def read_prompt(args) -> str:
+    from s3djax.errors import UserError
+
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file) as f:
+                return f.read()
+        except OSError as e:
+            raise UserError(f"cannot read --prompt-file: {e.strerror}: {args.prompt_file}") from None
+    if not sys.stdin.isatty():
+        text = sys.stdin.read()
+        if text.strip():
+            return text
+    return DEFAULT_PROMPT
+
+
+class TextStream:
+    """Prints the new suffix of the decoded text, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.printed = tokenizer, out, 0
+
+    def __call__(self, tokens):
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    prompt = read_prompt(args)
+    from s3djax import device
+    from s3djax.decode import ARDecoder, Runner
+    from s3djax.loading import load_model
+    from s3djax.sampling import Sampling
+    from s3djax.skip_plan import SkipPlan
+    from s3djax.tokenizer import encode_prompt
+
+    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention)
+    plan = SkipPlan.parse(args.skip, m.config.num_layers) if args.skip else None
+    ids = encode_prompt(m.tokenizer, prompt, chat_template=not args.no_chat_template)
+    tok = m.tokenizer
+    eos = tuple(sorted(set(m.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())))
+    decoder = ARDecoder(m.config, args.max_cache_len, eos_ids=eos, pad_id=tok.pad_token_id or 0, plan=plan,
+                        sampling=Sampling(args.temperature, args.top_k, args.top_p), cache_dtype=args.dtype)
+    decoder.check_prompt(len(ids))
+    print(f"loaded {m.name} in {m.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
+    stream = None if args.json else TextStream(tok)
+    result = Runner(decoder, m.params).generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
+    text = tok.decode(result.tokens, skip_special_tokens=True)
+    if stream:
+        print(flush=True)
+    dev = device.describe()
+    print(f"[{args.method}] prompt {result.prompt_tokens} tokens, {len(result.tokens)} new tokens, "
+          f"{result.tokens_per_s:.1f} tokens/s decode, time to first token {result.ttft_s * 1000:.0f} ms, "
+          f"compile {result.compile_s:.1f} s (apart) on {dev}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(dict(text=text, prompt_tokens=result.prompt_tokens, new_tokens=len(result.tokens),
+                              tokens_per_s=round(result.tokens_per_s, 3), ttft_s=round(result.ttft_s, 4),
+                              compile_s=round(result.compile_s, 3), device=dev, method=args.method)))
+
+
+if __name__ == "__main__":
+    run(main)
