@@ -101,13 +101,16 @@ class ModelConfig:
         rope = {**legacy, **rope}
         kind = rope.get("rope_type", rope.get("type", "default"))
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = RopeScaling(
+        # Fields a RoPE type does not read keep their defaults, so equal models give equal
+        # (hash-equal) static configs and share compiled code.
+        scaling = RopeScaling(kind=kind) if kind == "default" else RopeScaling(
             kind=kind,
             factor=float(rope.get("factor", 1.0)),
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))),
+            **({} if kind != "llama3" else dict(
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))))),
         )
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
@@ -136,9 +139,10 @@ class ModelConfig:
         s = self.rope_scaling
         rope = {"rope_type": s.kind, "rope_theta": self.rope_theta}
         if s.kind != "default":
-            rope.update(factor=s.factor, original_max_position_embeddings=s.original_max_position_embeddings)
+            rope.update(factor=s.factor)
         if s.kind == "llama3":
-            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+            rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                        original_max_position_embeddings=s.original_max_position_embeddings)
         if self.partial_rotary_factor != 1.0:
             rope["partial_rotary_factor"] = self.partial_rotary_factor
         return dict(
@@ -157,5 +161,6 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
             bos_token_id=self.bos_token_id,
             eos_token_id=list(self.eos_token_ids) or None,
+            pad_token_id=None,  # else Phi3Config defaults to 32000, outside small vocabularies
             hidden_act="silu",
         )

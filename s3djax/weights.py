@@ -149,7 +149,7 @@ class GGUFFile:
             raise UserError(f"{self.path}: GGUF architecture {a!r} is not supported (llama, phi3 are)")
         heads = self.field(f"{a}.attention.head_count")
         hidden = self.field(f"{a}.embedding_length")
-        head_dim = hidden // heads
+        head_dim = self.field(f"{a}.attention.key_length") or hidden // heads
         rotary = self.field(f"{a}.rope.dimension_count", head_dim)
         eos = self.field("tokenizer.ggml.eos_token_id")
         vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens"))
