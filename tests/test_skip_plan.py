@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from s3djax.errors import UserError
 from s3djax.skip_plan import SkipPlan
@@ -32,3 +34,10 @@ def test_invalid_specs_are_user_errors(spec, message):
 def test_wrong_length_is_rejected_by_the_model():
     with pytest.raises(UserError, match="has 4 layers but the model has 6"):
         SkipPlan.full(4).check(6)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=40).filter(
+    lambda flags: any(a or m for a, m in flags)))
+def test_any_runnable_plan_round_trips_through_its_spec(flags):
+    plan = SkipPlan(tuple(a for a, _ in flags), tuple(m for _, m in flags))
+    assert SkipPlan.parse(plan.spec(), len(flags)) == plan
