@@ -25,12 +25,15 @@ def from_folder(path: str):
 
 def from_gguf(gf):
     """A PreTrainedTokenizerFast from a parsed `weights.GGUFFile`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if gf.field("tokenizer.ggml.model") != "gpt2":
+        from transformers import AutoTokenizer
+
         folder, name = os.path.split(gf.path)
         return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # Not AutoTokenizer here: importing the auto classes costs seconds (they pull in torch).
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     tokens = gf.field("tokenizer.ggml.tokens")
     merges = [tuple(m.split(" ", 1)) for m in gf.field("tokenizer.ggml.merges")]
     backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
