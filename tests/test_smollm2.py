@@ -56,3 +56,16 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smollm2):
     assert tokenizer.encode_prompt(ours, texts[0], chat_template=True) == list(
         ref.apply_chat_template(chat, add_generation_prompt=True)["input_ids"])
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
+
+
+def test_loading_needs_no_torch():
+    # The run-time path is gguf + NumPy + tokenizers; torch is only the tests' reference.
+    import subprocess
+    import sys
+
+    code = "import sys; from s3djax.loading import load_model; load_model('smollm2-135m', progress=False); " \
+           "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
