@@ -10,9 +10,9 @@ import json
 import sys
 
 from infer.cli import Parser, run
+from s3djax.methods import METHODS
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
-METHODS = ("ar",)
 
 
 def parse_args(argv=None):
@@ -27,7 +27,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--attention", choices=("xla",), default="xla")
-    p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp" (default: none)')
+    p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s plan '
+                   "for s3d (default: about half, around the middle), the whole model's for ar (default: none)")
+    p.add_argument("--draft", help="trained draft file (.npz) for s3d")
+    p.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
+    p.add_argument("--tree", default="chain", help="token tree: chain (gamma nodes) or a name in configs/trees")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -79,24 +83,24 @@ class TextStream:
 def main(argv=None):
     args = parse_args(argv)
     prompt = read_prompt(args)
-    from s3djax import device
-    from s3djax.decode import ARDecoder, Runner
+    from s3djax import device, methods
+    from s3djax.decode import Runner
     from s3djax.loading import load_model
     from s3djax.sampling import Sampling
-    from s3djax.skip_plan import SkipPlan
     from s3djax.tokenizer import encode_prompt
 
     m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention)
-    plan = SkipPlan.parse(args.skip, m.config.num_layers) if args.skip else None
-    ids = encode_prompt(m.tokenizer, prompt, chat_template=not args.no_chat_template)
+    built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip,
+                          sampling=Sampling(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
+                          tree=args.tree, draft_path=args.draft)
+    for warning in built.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     tok = m.tokenizer
-    eos = tuple(sorted(set(m.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())))
-    decoder = ARDecoder(m.config, args.max_cache_len, eos_ids=eos, pad_id=tok.pad_token_id or 0, plan=plan,
-                        sampling=Sampling(args.temperature, args.top_k, args.top_p), cache_dtype=args.dtype)
-    decoder.check_prompt(len(ids))
+    ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template)
+    built.decoder.check_prompt(len(ids))
     print(f"loaded {m.name} in {m.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
     stream = None if args.json else TextStream(tok)
-    result = Runner(decoder, m.params).generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
+    result = Runner(built.decoder, built.params).generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
     text = tok.decode(result.tokens, skip_special_tokens=True)
     if stream:
         print(flush=True)
@@ -104,10 +108,17 @@ def main(argv=None):
     print(f"[{args.method}] prompt {result.prompt_tokens} tokens, {len(result.tokens)} new tokens, "
           f"{result.tokens_per_s:.1f} tokens/s decode, time to first token {result.ttft_s * 1000:.0f} ms, "
           f"compile {result.compile_s:.1f} s (apart) on {dev}", file=sys.stderr)
+    if result.stats:
+        st = result.stats
+        print(f"[{args.method}] mean accepted tokens per verify step (bonus included) "
+              f"{st['mean_accepted_tokens']:.2f}, acceptance by depth "
+              f"{' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, {st['verify_steps']} verify steps",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(dict(text=text, prompt_tokens=result.prompt_tokens, new_tokens=len(result.tokens),
                               tokens_per_s=round(result.tokens_per_s, 3), ttft_s=round(result.ttft_s, 4),
-                              compile_s=round(result.compile_s, 3), device=dev, method=args.method)))
+                              compile_s=round(result.compile_s, 3), device=dev, method=args.method,
+                              **result.stats)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ class ARDecoder:
     plan: SkipPlan | None = None
     sampling: Sampling = Sampling()
     cache_dtype: str = "float32"
+    token_slack: int = 0  # extra output slots, for loops that emit several tokens per step
 
     def check_prompt(self, n: int) -> None:
         if n == 0:
@@ -57,11 +58,11 @@ class ARDecoder:
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         key, sub = jax.random.split(key)
         first = sample(model.logits(params, last), sub, self.sampling)
-        out = jnp.full((b, self.max_cache_len), self.pad_id, jnp.int32).at[:, 0].set(first)
+        out = jnp.full((b, self.max_cache_len + self.token_slack), self.pad_id, jnp.int32).at[:, 0].set(first)
         return dict(tokens=out, cache=cache, step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
-                    done=self._is_eos(first), key=key)
+                    done=self.is_eos(first), key=key)
 
-    def _is_eos(self, tokens):
+    def is_eos(self, tokens):
         return jnp.isin(tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32))
 
     def decode(self, params, state, stop_at):
@@ -79,7 +80,7 @@ class ARDecoder:
             nxt = jnp.where(s["done"], self.pad_id, nxt)
             tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], nxt[:, None], s["step"], axis=1)
             return dict(tokens=tokens, cache=cache, step=s["step"] + 1, last=nxt, length=slots + 1,
-                        done=s["done"] | self._is_eos(nxt), key=key)
+                        done=s["done"] | self.is_eos(nxt), key=key)
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -96,6 +97,7 @@ class Result:
     compile_s: float
     ttft_s: float              # prefill and first token, compile excluded
     decode_s: float            # the loop after the first token
+    stats: dict = dataclasses.field(default_factory=dict)  # method statistics (speculative: tau, alpha_k)
 
     @property
     def tokens_per_s(self) -> float:
@@ -149,7 +151,10 @@ class Runner:
             done = bool(np.asarray(state["done"]).all()) or new_step == step
             step = new_step
             if on_tokens:
-                on_tokens(np.asarray(state["tokens"])[0, :step].tolist())
+                on_tokens(np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist())
         decode_s = time.perf_counter() - t
-        tokens = np.asarray(state["tokens"])[0, :step].tolist()
-        return Result(tokens=tokens, prompt_tokens=n, compile_s=compile_s, ttft_s=ttft, decode_s=decode_s)
+        # A speculative step may emit past the budget; the extra tokens are dropped.
+        tokens = np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist()
+        stats = d.stats(state) if hasattr(d, "stats") else {}
+        return Result(tokens=tokens, prompt_tokens=n, compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
+                      stats=stats)

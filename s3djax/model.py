@@ -19,55 +19,67 @@ from s3djax.layers import apply_rope, attend, rms_norm, rope_tables, swiglu
 from s3djax.skip_plan import SkipPlan
 
 
-def _qkv(p, h, config: ModelConfig):
+def _linear(p, lora, name, h):
+    """h @ W, plus the low-rank update (h @ A) @ B where a draft adapter covers this weight."""
+    out = h @ p[name]
+    if lora and name in lora:
+        out = out + (h @ lora[name]["a"]) @ lora[name]["b"]
+    return out
+
+
+def _qkv(p, lora, h, config: ModelConfig):
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
     if "qkv" in p:
-        qkv = h @ p["qkv"]
+        qkv = _linear(p, lora, "qkv", h)
         return qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
-    return h @ p["q"], h @ p["k"], h @ p["v"]
+    return _linear(p, lora, "q", h), _linear(p, lora, "k", h), _linear(p, lora, "v", h)
 
 
-def _mlp(p, h):
+def _mlp(p, lora, h):
     if "gate_up" in p:
-        gate, up = jnp.split(h @ p["gate_up"], 2, axis=-1)
+        gate, up = jnp.split(_linear(p, lora, "gate_up", h), 2, axis=-1)
     else:
-        gate, up = h @ p["gate"], h @ p["up"]
-    return swiglu(gate, up) @ p["down"]
+        gate, up = _linear(p, lora, "gate", h), _linear(p, lora, "up", h)
+    return _linear(p, lora, "down", swiglu(gate, up))
 
 
-def attention_block(p, x, cos, sin, layer_cache, slots, mask, config: ModelConfig):
+def attention_block(p, lora, x, cos, sin, layer_cache, slots, mask, config: ModelConfig):
     b, t, _ = x.shape
-    q, k, v = _qkv(p, rms_norm(x, p["attn_norm"], config.rms_norm_eps), config)
+    q, k, v = _qkv(p, lora, rms_norm(x, p["attn_norm"], config.rms_norm_eps), config)
     q = apply_rope(q.reshape(b, t, config.num_heads, config.head_dim), cos, sin)
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, config.head_dim), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, config.head_dim)
     layer_cache = kv.write(layer_cache, k, v, slots)
     out = attend(q, layer_cache["k"], layer_cache["v"], mask)
-    return x + out @ p["o"], layer_cache
+    return x + _linear(p, lora, "o", out), layer_cache
 
 
-def mlp_block(p, x, config: ModelConfig):
-    return x + _mlp(p, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
+def mlp_block(p, lora, x, config: ModelConfig):
+    return x + _mlp(p, lora, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
 
 
-def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfig, plan: SkipPlan | None = None):
+def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfig, plan: SkipPlan | None = None,
+            embeds=None, lora=None):
     """Run new tokens through the layers the plan keeps, writing their K/V into the cache.
 
     tokens, positions: [B, T] int32 (positions are RoPE positions); slots: [B] int32, the first
     cache slot of each row's T new tokens; mask: [B, T, S] bool over cache slots after the write.
+    `embeds` [B, T, D] replaces the token embeddings (a draft's mask-token rows); `lora` is a
+    per-layer list of {weight name: {"a", "b"}} low-rank updates (draft adapters).
     Returns (final-normed hidden states [B, T, D], cache). Layers whose attention is skipped keep
     their cache untouched.
     """
     plan = (plan or SkipPlan.full(config.num_layers)).check(config.num_layers)
-    x = params["embed"][tokens]
+    x = params["embed"][tokens] if embeds is None else embeds
     cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
+    lora = lora or [None] * config.num_layers
     new_cache = []
-    for p, layer_cache, run_attn, run_mlp in zip(params["layers"], cache, plan.attn, plan.mlp):
+    for p, adapter, layer_cache, run_attn, run_mlp in zip(params["layers"], lora, cache, plan.attn, plan.mlp):
         if run_attn:
-            x, layer_cache = attention_block(p, x, cos, sin, layer_cache, slots, mask, config)
+            x, layer_cache = attention_block(p, adapter, x, cos, sin, layer_cache, slots, mask, config)
         if run_mlp:
-            x = mlp_block(p, x, config)
+            x = mlp_block(p, adapter, x, config)
         new_cache.append(layer_cache)
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
 

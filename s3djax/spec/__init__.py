@@ -1,0 +1,1 @@
+"""Speculative decoding: static token trees, drafters, and the draft-verify-commit loop."""

@@ -1,0 +1,76 @@
+"""Draft-only parameters: the mask token <M> and optional LoRA adapters on the kept layers.
+
+<M> is an extra embedding row kept outside the vocabulary ("extra-row"): the target's embedding
+and LM head are untouched, so verification always uses the unmodified target. Adapters only ever
+see block tokens, because the draft forward only processes blocks (the context comes from the
+target's committed cache).
+
+A draft file is a .npz of the pytree's leaves plus a JSON record of its metadata and shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3djax.config import ModelConfig
+from s3djax.errors import UserError
+from s3djax.skip_plan import SkipPlan
+
+MASK_TOKEN_KIND = "extra-row"
+
+
+def adapter_targets(config: ModelConfig) -> tuple[str, ...]:
+    return ("qkv", "o", "gate_up", "down") if config.arch == "phi3" else ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 0, key=None) -> dict:
+    """<M> as the mean token embedding (a neutral start); adapters with B = 0, so they start as no-ops."""
+    draft = {"mask_embed": jnp.mean(params["embed"].astype(jnp.float32), axis=0).astype(params["embed"].dtype)}
+    if lora_rank:
+        key = jax.random.key(0) if key is None else key
+        lora = []
+        for i, layer in enumerate(params["layers"]):
+            adapters = {}
+            if plan.attn[i] or plan.mlp[i]:
+                for name in adapter_targets(config):
+                    if name in layer and (plan.attn[i] if name in ("q", "k", "v", "o", "qkv") else plan.mlp[i]):
+                        key, sub = jax.random.split(key)
+                        d_in, d_out = layer[name].shape
+                        adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
+                            layer[name].dtype), "b": jnp.zeros((lora_rank, d_out), layer[name].dtype)}
+            lora.append(adapters)
+        draft["lora"] = lora
+    return draft
+
+
+def save_draft(path: str, draft: dict, meta: dict) -> None:
+    """The pytree's shape is stored as JSON with each leaf replaced by its index (empty layers survive)."""
+    leaves, treedef = jax.tree.flatten(draft)
+    structure = jax.tree.unflatten(treedef, list(range(len(leaves))))
+    record = {"mask_token": MASK_TOKEN_KIND, **meta, "structure": structure}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    np.savez(path, __meta__=np.frombuffer(json.dumps(record).encode(), np.uint8),
+             **{f"leaf_{i}": np.asarray(jnp.asarray(leaf, jnp.float32)) for i, leaf in enumerate(leaves)})
+
+
+def load_draft(path: str, config: ModelConfig, dtype) -> tuple[dict, dict]:
+    if not os.path.isfile(path):
+        raise UserError(f"no such draft file: {path}")
+    try:
+        with np.load(path) as f:
+            meta = json.loads(bytes(f["__meta__"]).decode())
+            structure = meta.pop("structure")
+            draft = jax.tree.map(lambda i: jnp.asarray(f[f"leaf_{i}"], dtype), structure)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{path} is not an s3djax draft file ({e})") from None
+    if meta.get("mask_token") != MASK_TOKEN_KIND:
+        raise UserError(f"{path}: unsupported mask token kind {meta.get('mask_token')!r}")
+    if draft["mask_embed"].shape != (config.hidden_size,):
+        raise UserError(f"{path} was trained for hidden size {draft['mask_embed'].shape[0]}, "
+                        f"not this model's {config.hidden_size}")
+    return draft, meta

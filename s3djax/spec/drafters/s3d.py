@@ -1,0 +1,51 @@
+"""S3D: one forward of the skip-plan model over [last token, <M> x (gamma-1)] drafts gamma positions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec.tree import TreeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class S3DDrafter:
+    config: ModelConfig
+    plan: SkipPlan
+    tree: TreeSpec
+    gamma: int
+
+    def init_state(self, params, draft):
+        return ()
+
+    def block_logits(self, params, draft, cache, length, last):
+        """Logits [B, gamma, V] for positions length+1 .. length+gamma, and the cache with scratch writes.
+
+        The block sits at positions and slots length .. length+gamma-1: it sees the committed cache
+        (slots < length) and itself causally, at every layer the plan keeps.
+        """
+        b = last.shape[0]
+        first = params["embed"][last][:, None]
+        masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
+        positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]
+        mask = kv.causal_mask(length, self.gamma, kv.cache_len(cache))
+        hidden, cache = model.forward(params, None, positions, cache, length, mask, config=self.config,
+                                      plan=self.plan, embeds=jnp.concatenate([first, masks], axis=1),
+                                      lora=draft.get("lora"))
+        return model.logits(params, hidden), cache
+
+    def draft(self, params, draft, cache, length, last, state):
+        logits, cache = self.block_logits(params, draft, cache, length, last)
+        candidates = jax.lax.top_k(logits, self.tree.max_rank + 1)[1]  # [B, gamma, k]
+        # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
+        nodes = candidates[:, self.tree.node_depths[1:] - 1, self.tree.node_ranks[1:]]
+        return nodes.astype(jnp.int32), jnp.ones(nodes.shape, bool), cache, state
+
+    def update(self, state, accepted):
+        return state

@@ -1,0 +1,117 @@
+"""Static token trees: a list of candidate-rank paths, and everything derived from it.
+
+Node 0 is the root (the last emitted token). A path (r1, r2, ..., rd) is the node at depth d whose
+token is the draft's rank-rd candidate for position p + d, under the node (r1, ..., r(d-1)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import numpy as np
+import yaml
+
+from s3djax.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    paths: tuple[tuple[int, ...], ...]  # sorted by depth, then lexicographically; root excluded
+
+    def __post_init__(self):
+        seen = set()
+        for path in self.paths:
+            if not path or any(r < 0 for r in path):
+                raise UserError(f"invalid tree: path {path} must be a non-empty tuple of ranks >= 0")
+            if path in seen:
+                raise UserError(f"invalid tree: path {path} appears twice")
+            if len(path) > 1 and path[:-1] not in seen:
+                raise UserError(f"invalid tree: path {path} has no parent {path[:-1]} before it")
+            seen.add(path)
+
+    @classmethod
+    def from_paths(cls, paths) -> "TreeSpec":
+        paths = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+        if not paths:
+            raise UserError("invalid tree: it has no nodes")
+        return cls(tuple(paths))
+
+    @classmethod
+    def chain(cls, gamma: int) -> "TreeSpec":
+        if gamma < 1:
+            raise UserError(f"invalid tree: a chain needs gamma >= 1, got {gamma}")
+        return cls(tuple((0,) * d for d in range(1, gamma + 1)))
+
+    @property
+    def path_table(self) -> np.ndarray:
+        """[N, depth + 1]: row i lists node i's ancestors by depth (root first), padded with i itself."""
+        parents, depths = self.parents, self.node_depths
+        table = np.zeros((self.num_nodes, self.depth + 1), np.int32)
+        for i in range(self.num_nodes):
+            table[i, :] = i
+            node = i
+            while node:
+                table[i, depths[node]] = node
+                node = parents[node]
+            table[i, 0] = 0
+        return table
+
+    @property
+    def num_nodes(self) -> int:  # root included
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @property
+    def max_rank(self) -> int:
+        return max((max(p) for p in self.paths), default=0)
+
+    @property
+    def node_depths(self) -> np.ndarray:
+        return np.array([0] + [len(p) for p in self.paths], np.int32)
+
+    @property
+    def node_ranks(self) -> np.ndarray:
+        return np.array([0] + [p[-1] for p in self.paths], np.int32)
+
+    @property
+    def parents(self) -> np.ndarray:
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        return np.array([0] + [index.get(p[:-1], 0) for p in self.paths], np.int32)
+
+    @property
+    def ancestors(self) -> np.ndarray:
+        """[N, N] bool: node i may attend to node j (j is i or an ancestor of i)."""
+        n, parents = self.num_nodes, self.parents
+        anc = np.eye(n, dtype=bool)
+        for i in range(1, n):
+            anc[i] |= anc[parents[i]]
+        return anc
+
+
+def named_trees() -> dict[str, list]:
+    from s3djax.registry import CONFIG_DIR
+
+    out = {}
+    for file in sorted(glob.glob(os.path.join(CONFIG_DIR, "trees", "*.yaml"))):
+        with open(file) as f:
+            spec = yaml.safe_load(f)
+        out[spec["name"]] = spec["paths"]
+    return out
+
+
+def resolve(name: str, gamma: int) -> TreeSpec:
+    """`chain` is a chain of gamma nodes; other names come from configs/trees/."""
+    if name == "chain":
+        return TreeSpec.chain(gamma)
+    trees = named_trees()
+    if name not in trees:
+        raise UserError(f"unknown tree {name!r}; known trees: chain, {', '.join(trees)}")
+    tree = TreeSpec.from_paths(trees[name])
+    if tree.depth > gamma:
+        raise UserError(f"tree {name} is {tree.depth} deep but --gamma is {gamma}; raise --gamma to {tree.depth}")
+    return tree

@@ -1,0 +1,199 @@
+"""The speculative loop is lossless: greedy s3d output equals greedy ar output, token for token."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax import monitoring
+
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.decode import ARDecoder, Runner
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec import tree as trees
+from s3djax.spec.draft_params import init_draft, load_draft, save_draft
+from s3djax.spec.drafters.s3d import S3DDrafter
+from s3djax.spec.loop import SpecDecoder
+from s3djax.spec.tree import TreeSpec
+
+LLAMA = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=12, rope_theta=500.0)
+PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size=72, num_layers=4, num_heads=5,
+                   num_kv_heads=1, head_dim=8, rope_theta=700.0)
+CACHE = 96
+
+
+def random_params(config, seed):
+    # Scaled up from init's 0.02 so that argmaxes depend on the weights (a flat model repeats one token).
+    return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
+
+
+def perturbed_draft(params, config, plan, seed):
+    """A draft that is wrong in a random way: a noisy mask token and random (non-zero) LoRA adapters."""
+    draft = init_draft(params, config, plan, lora_rank=2, key=jax.random.key(seed))
+    keys = iter(jax.random.split(jax.random.key(seed + 1), 1000))
+    draft = jax.tree.map(lambda a: a + 0.5 * jax.random.normal(next(keys), a.shape), draft)
+    return draft
+
+
+def ar_runner(config, params, eos=(), cache=CACHE):
+    return Runner(ARDecoder(config, cache, eos_ids=eos), params)
+
+
+def spec_runner(config, params, draft, plan, tree, gamma, eos=(), cache=CACHE):
+    decoder = SpecDecoder.create(ARDecoder(config, cache, eos_ids=eos), S3DDrafter(config, plan, tree, gamma))
+    return Runner(decoder, (params, draft))
+
+
+COMBOS = [  # (tree name, gamma, skip spec): every named tree, gamma 1/2/4/6, several plans
+    ("chain", 1, "1-2"), ("chain", 2, "1"), ("chain", 4, "1-2"), ("chain", 6, "2.attn,1.mlp"),
+    ("tree-8", 4, "1-2"), ("tree-16", 4, ""), ("tree-32", 6, "1"), ("tree-64", 4, "1-2"),
+]
+
+
+@pytest.mark.parametrize("tree_name, gamma, skip", COMBOS)
+def test_lossless_on_llama_for_every_tree_gamma_and_plan(tree_name, gamma, skip):
+    params = random_params(LLAMA, 0)
+    plan = SkipPlan.parse(skip, LLAMA.num_layers)
+    tree = trees.resolve(tree_name, gamma)
+    drafts = {"untrained": init_draft(params, LLAMA, plan), "perturbed": perturbed_draft(params, LLAMA, plan, 3)}
+    ar = ar_runner(LLAMA, params)
+    total_accepted = 0
+    for draft_name, draft in drafts.items():
+        spec = spec_runner(LLAMA, params, draft, plan, tree, gamma)
+        for prompt in ([5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 55))):
+            expected = ar.generate(prompt, 40).tokens
+            got = spec.generate(prompt, 40)
+            assert got.tokens == expected, (draft_name, prompt)
+            total_accepted += got.stats["mean_accepted_tokens"] > 1
+    assert total_accepted > 0  # some drafts were accepted, so the accept/commit path was exercised
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=st.sampled_from([LLAMA, PHI3]), seed=st.integers(0, 2**16),
+       prompt=st.lists(st.integers(0, 88), min_size=1, max_size=16), max_new=st.integers(1, 30))
+def test_lossless_for_random_models_and_prompts(config, seed, prompt, max_new):
+    # Weights and prompts vary, shapes do not: all examples share two compiled decoders per architecture.
+    params = random_params(config, seed)
+    plan = SkipPlan.parse("1-2", config.num_layers)
+    draft = perturbed_draft(params, config, plan, seed) if seed % 2 else init_draft(params, config, plan)
+    expected = ar_runner_cached(config)(params).generate(prompt, max_new).tokens
+    assert spec_runner_cached(config)(params, draft).generate(prompt, max_new).tokens == expected
+
+
+_runners = {}
+
+
+def ar_runner_cached(config):
+    def make(params):
+        runner = _runners.setdefault(("ar", config), ar_runner(config, params))
+        runner.params = params
+        return runner
+    return make
+
+
+def spec_runner_cached(config):
+    plan = SkipPlan.parse("1-2", config.num_layers)
+
+    def make(params, draft):
+        key = ("s3d", config, "lora" in draft)
+        runner = _runners.setdefault(key, spec_runner(config, params, draft, plan, trees.resolve("tree-8", 4), 4))
+        runner.params = (params, draft)
+        return runner
+    return make
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    """Proposes the true continuation (from `draft["reference"]`, indexed by position) along a chain."""
+
+    tree: TreeSpec
+    gamma: int
+
+    def init_state(self, params, draft):
+        return ()
+
+    def draft(self, params, draft, cache, length, last, state):
+        positions = length[:, None] + jnp.asarray(self.tree.node_depths[1:])[None]
+        return draft["reference"][positions], jnp.ones(positions.shape, bool), cache, state
+
+    def update(self, state, accepted):
+        return state
+
+
+def oracle_runner(config, params, reference, gamma, eos=(), cache=CACHE):
+    decoder = SpecDecoder.create(ARDecoder(config, cache, eos_ids=eos), OracleDrafter(TreeSpec.chain(gamma), gamma))
+    padded = jnp.zeros(cache + gamma + 2, jnp.int32).at[:len(reference)].set(jnp.asarray(reference))
+    return Runner(decoder, (params, {"reference": padded}))
+
+
+def test_eos_inside_an_accepted_path_ends_the_output_there():
+    params, prompt = random_params(LLAMA, 0), [3, 1, 4, 1, 5, 9, 2, 6]
+    free = ar_runner(LLAMA, params).generate(prompt, 30).tokens
+    eos = next(t for t in free[5:] if t not in free[:5])  # a token whose first use is mid-stream
+    expected = ar_runner(LLAMA, params, eos=(eos,)).generate(prompt, 30).tokens
+    assert expected[-1] == eos and len(expected) < 30
+    got = oracle_runner(LLAMA, params, prompt + free, gamma=4, eos=(eos,)).generate(prompt, 30)
+    assert got.tokens == expected
+    assert got.stats["mean_accepted_tokens"] > 4  # whole chains accepted, so the EOS fell inside one
+
+
+def test_output_matches_ar_at_the_cache_length_boundary():
+    # 11 prompt tokens + whole chains of 5 reach slot 36, where a 5-node tree no longer fits in 40.
+    params, prompt, cache = random_params(LLAMA, 0), list(range(1, 12)), 40
+    expected = ar_runner(LLAMA, params, cache=cache).generate(prompt, 100).tokens
+    assert len(expected) == cache - len(prompt)  # the cache, not the budget, ended it
+    got = oracle_runner(LLAMA, params, prompt + expected, gamma=4, cache=cache).generate(prompt, 100)
+    assert got.tokens == expected
+    assert got.stats["ar_fallback_steps"] > 0  # the last slots were filled by AR steps
+    plan = SkipPlan.parse("1-2", LLAMA.num_layers)
+    s3d = spec_runner(LLAMA, params, init_draft(params, LLAMA, plan), plan, trees.resolve("tree-16", 4), 4, cache=cache)
+    assert s3d.generate(prompt, 100).tokens == expected
+
+
+def test_compiles_once_across_prompt_lengths_and_iterations():
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    params = random_params(LLAMA, 0)
+    plan = SkipPlan.parse("1-2", LLAMA.num_layers)
+    runner = spec_runner(LLAMA, params, init_draft(params, LLAMA, plan), plan, trees.resolve("tree-8", 4), 4)
+    runner.generate([1, 2, 3], 5)
+    warm = len(compiles)
+    for prompt, n in (([4] * 11, 60), ([7, 8], 20), (list(range(16)), 33)):
+        result = runner.generate(prompt, n, on_tokens=lambda t: None, chunk=7)
+        assert result.stats["verify_steps"] > 3
+    assert len(compiles) == warm
+
+
+def test_draft_file_round_trip(tmp_path):
+    params = random_params(LLAMA, 0)
+    plan = SkipPlan.parse("1-2", LLAMA.num_layers)
+    draft = perturbed_draft(params, LLAMA, plan, 5)
+    save_draft(str(tmp_path / "d.npz"), draft, {"skip": plan.spec(), "gamma": 4})
+    loaded, meta = load_draft(str(tmp_path / "d.npz"), LLAMA, jnp.float32)
+    assert meta == {"mask_token": "extra-row", "skip": "1,2", "gamma": 4}
+    assert jax.tree.structure(loaded) == jax.tree.structure(draft)
+    jax.tree.map(lambda a, b: (a == b).all() or pytest.fail("leaf changed"), loaded, draft)
+
+
+def test_smollm2_s3d_equals_ar(smollm2):
+    from s3djax import methods
+    from s3djax.tokenizer import encode_prompt
+
+    ar = methods.build("ar", smollm2, max_cache_len=160)
+    cases = [("chain", "What is the capital of France? Answer in one paragraph."),
+             ("tree-16", "Write a haiku about the sea.")]
+    for tree, text in cases:
+        s3d = methods.build("s3d", smollm2, max_cache_len=160, tree=tree)
+        assert s3d.warnings and "untrained" in s3d.warnings[0]
+        ids = encode_prompt(smollm2.tokenizer, text, chat_template=True)
+        expected = Runner(ar.decoder, ar.params).generate(ids, 40).tokens
+        got = Runner(s3d.decoder, s3d.params).generate(ids, 40)
+        assert got.tokens == expected, (tree, text)
+        # Every token after the first came from a verify step emitting at most gamma + 1.
+        assert got.stats["verify_steps"] * 5 >= len(got.tokens) - 1 > 4

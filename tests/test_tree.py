@@ -1,0 +1,84 @@
+"""Static token trees, the tree attention mask, greedy acceptance and the K/V commit."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s3djax.errors import UserError
+from s3djax.spec import tree as trees
+from s3djax.spec.tree import TreeSpec
+from s3djax.spec.verify import commit_path, greedy_accept, tree_mask
+
+# root 0; 1=(0,) 2=(1,) 3=(0,0) 4=(0,1) 5=(1,0) 6=(0,0,0)
+SMALL = TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+
+
+def test_derived_structure():
+    assert SMALL.num_nodes == 7 and SMALL.depth == 3 and SMALL.max_rank == 1
+    assert SMALL.parents.tolist() == [0, 0, 0, 1, 1, 2, 3]
+    assert SMALL.node_depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert SMALL.node_ranks.tolist() == [0, 0, 1, 0, 1, 0, 0]
+    assert np.flatnonzero(SMALL.ancestors[6]).tolist() == [0, 1, 3, 6]
+    assert np.flatnonzero(SMALL.ancestors[5]).tolist() == [0, 2, 5]
+    assert SMALL.path_table[6].tolist() == [0, 1, 3, 6] and SMALL.path_table[2].tolist() == [0, 2, 2, 2]
+
+
+def test_chain_and_named_trees():
+    assert TreeSpec.chain(3).paths == ((0,), (0, 0), (0, 0, 0))
+    for name, size in (("tree-8", 8), ("tree-16", 16), ("tree-32", 32), ("tree-64", 64)):
+        tree = trees.resolve(name, 4)
+        assert tree.num_nodes == size + 1 and tree.depth == 4
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([(0,), (1, 0)], "no parent"),
+    ([(0,), (0,), (0, 0)], None),  # duplicates given to from_paths are merged, not an error
+    ([(0,), (-1,)], "ranks >= 0"),
+    ([], "no nodes"),
+])
+def test_validation(paths, message):
+    if message is None:
+        assert TreeSpec.from_paths(paths).num_nodes == 3
+    else:
+        with pytest.raises(UserError, match=message):
+            TreeSpec.from_paths(paths)
+
+
+def test_resolve_errors():
+    with pytest.raises(UserError, match="unknown tree 'bush'"):
+        trees.resolve("bush", 4)
+    with pytest.raises(UserError, match="raise --gamma to 4"):
+        trees.resolve("tree-16", 2)
+    with pytest.raises(UserError, match="gamma >= 1"):
+        trees.resolve("chain", 0)
+
+
+def test_tree_mask_sees_prefix_and_ancestors_only():
+    length, s = 5, 16
+    mask = np.asarray(tree_mask(jnp.asarray([length]), SMALL, s))[0]
+    for i in range(SMALL.num_nodes):
+        expected = [slot < length or (slot - length < SMALL.num_nodes and SMALL.ancestors[i, slot - length])
+                    for slot in range(s)]
+        assert mask[i].tolist() == expected
+
+
+def test_greedy_accept_follows_the_longest_matching_path():
+    # Target argmax per node; the accepted path is root -> 2 -> 5 (node 1 mismatches).
+    tokens = jnp.asarray([[10, 11, 12, 13, 14, 15, 16]])
+    target = jnp.asarray([[12, 99, 15, 0, 0, 77, 0]])
+    acc = greedy_accept(tokens, target, jnp.ones((1, 7), bool), SMALL)
+    assert np.flatnonzero(np.asarray(acc)[0]).tolist() == [0, 2, 5]
+    invalid = jnp.ones((1, 7), bool).at[0, 5].set(False)  # an unproposed node is never accepted
+    assert np.flatnonzero(np.asarray(greedy_accept(tokens, target, invalid, SMALL))[0]).tolist() == [0, 2]
+
+
+def test_commit_moves_the_accepted_path_into_contiguous_slots():
+    s, length = 16, 4
+    buf = jnp.arange(s, dtype=jnp.float32)[None, :, None, None] * jnp.ones((1, s, 1, 2))
+    cache = [{"k": buf, "v": buf + 100}]
+    path = jnp.asarray([SMALL.path_table[6]])  # nodes 0, 1, 3, 6 at slots 4, 5, 7, 10
+    out = commit_path(cache, jnp.asarray([length]), path, SMALL.num_nodes)
+    k = np.asarray(out[0]["k"])[0, :, 0, 0]
+    assert k[:length].tolist() == [0, 1, 2, 3]              # the committed prefix is untouched
+    assert k[length:length + 4].tolist() == [4, 5, 7, 10]   # root + accepted nodes, now contiguous
+    assert np.asarray(out[0]["v"])[0, length + 3, 0, 0] == 110
