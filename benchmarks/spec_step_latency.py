@@ -26,56 +26,31 @@ def main():
     args = p.parse_args()
 
     import jax
-    import jax.numpy as jnp
 
-    from s3djax import cache as kv
-    from s3djax import device
+    from s3djax import device, methods
+    from s3djax.decode import Runner
     from s3djax.loading import load_model
-    from s3djax.methods import default_draft_plan
     from s3djax.spec import tree as trees
-    from s3djax.spec.draft_params import init_draft
-    from s3djax.spec.drafters.s3d import S3DDrafter
-    from s3djax.spec.loop import ROOT_ONLY
-    from s3djax.spec.verify import verify
+    from s3djax.spec.profile import step_times
 
     m = load_model("smollm2-135m", dtype=args.dtype)
-    config, params = m.config, m.params
-    plan = default_draft_plan(config.num_layers)
-    draft = init_draft(params, config, plan)
-    cache = kv.init_cache(config, 1, args.cache_len, jnp.dtype(args.dtype))
-    length = jnp.asarray([args.context], jnp.int32)
-    last = jnp.asarray([42], jnp.int32)
-
-    def timed(fn, *a):
-        fn = jax.jit(fn)
-        jax.block_until_ready(fn(*a))
-        samples = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            samples.append(time.perf_counter() - t)
-        return statistics.median(samples) * 1000
-
-    def verify_ms(tree):
-        n = tree.num_nodes - 1
-        nodes, valid = jnp.zeros((1, n), jnp.int32), jnp.ones((1, n), bool)
-        # The emitted tokens depend on the whole forward, so nothing is optimised away.
-        return timed(lambda c: verify(params, c, length, last, nodes, valid, config=config, tree=tree)[2], cache)
-
-    chain = trees.TreeSpec.chain(args.gamma)
-    drafter = S3DDrafter(config, plan, chain, args.gamma)
-    rows = [("AR step (verify of the root alone)", 1, verify_ms(ROOT_ONLY)),
-            (f"S3D draft step, gamma {args.gamma}, skip {plan.spec()}", args.gamma,
-             timed(lambda c: drafter.draft(params, draft, c, length, last, ())[0], cache))]
-    named = {"chain": chain, **{n: trees.resolve(n, args.gamma) for n in trees.named_trees()}}
-    for name, tree in named.items():
-        rows.append((f"verify, tree {name}", tree.num_nodes, verify_ms(tree)))
-        print(rows[-1], file=sys.stderr)
+    built = methods.build("s3d", m, max_cache_len=args.cache_len, dtype=args.dtype, gamma=args.gamma)
+    decoder = built.decoder
+    # A real state: the prompt is `context` tokens of committed cache.
+    prompt = [(7 * i) % 1000 + 100 for i in range(args.context)]
+    state = Runner(decoder, built.params).prefill(prompt)
+    named = {"chain": trees.TreeSpec.chain(args.gamma), **{n: trees.resolve(n, args.gamma) for n in trees.named_trees()}}
+    ms = step_times(decoder, built.params, state, trees=named, repeats=args.repeats)
+    plan = decoder.drafter.plan
+    rows = [("AR step", 1, ms["ar_step_ms"]),
+            (f"S3D draft step, gamma {args.gamma}, skip {plan.spec()}", args.gamma, ms["draft_step_ms"])]
+    rows += [(f"verify, tree {name}", tree.num_nodes, ms[f"verify_{name}_ms"]) for name, tree in named.items()]
     ar = rows[0][2]
     dev = device.describe()
     lines = [f"# Speculative step latencies, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {dev}", f"- date: {datetime.date.today().isoformat()}",
-             f"- cache length {args.cache_len}, {args.context} committed tokens; median of {args.repeats}", "",
+             f"- cache length {args.cache_len}, {args.context} committed tokens; each step run {args.repeats} times "
+             "in a fori_loop carrying the cache, median of 3 such runs", "",
              "| step | tokens in | ms | vs AR step |", "| --- | --- | --- | --- |"]
     lines += [f"| {name} | {n} | {ms:.1f} | {ms / ar:.2f}x |" for name, n, ms in rows]
     table = "\n".join(lines)

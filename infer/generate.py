@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object instead of streaming")
+    p.add_argument("--profile", action="store_true",
+                   help="speculative methods: also time the draft and verify steps apart (after the run)")
     args = p.parse_args(argv)
     for name, ok in (("--max-new-tokens", args.max_new_tokens >= 1), ("--max-cache-len", args.max_cache_len >= 2),
                      ("--temperature", args.temperature >= 0), ("--top-k", args.top_k >= 0),
@@ -114,6 +116,14 @@ def main(argv=None):
               f"{st['mean_accepted_tokens']:.2f}, acceptance by depth "
               f"{' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, {st['verify_steps']} verify steps",
               file=sys.stderr)
+    if args.profile and result.stats:
+        from s3djax.spec.profile import step_times
+
+        state = Runner(built.decoder, built.params).prefill(ids)
+        result.stats.update({k: round(v, 2) for k, v in step_times(built.decoder, built.params, state).items()})
+        print(f"[{args.method}] step times at the prompt's length: " + ", ".join(
+            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f} ms" for k, v in result.stats.items()
+            if k.endswith("_ms")), file=sys.stderr)
     if args.json:
         print(json.dumps(dict(text=text, prompt_tokens=result.prompt_tokens, new_tokens=len(result.tokens),
                               tokens_per_s=round(result.tokens_per_s, 3), ttft_s=round(result.ttft_s, 4),

@@ -121,17 +121,26 @@ class Runner:
             return self._executables[key][0], self._executables[key][1]
         return self._executables[key][0], 0.0
 
+    def _prompt_args(self, prompt_ids: list[int], seed: int):
+        d = self.decoder
+        n = len(prompt_ids)
+        d.check_prompt(n)
+        prompt = np.full((1, bucket(n, d.max_cache_len)), d.pad_id, np.int32)
+        prompt[0, :n] = prompt_ids
+        return jnp.asarray(prompt), jnp.asarray([n], jnp.int32), jax.random.key(seed)
+
+    def prefill(self, prompt_ids: list[int], seed: int = 0):
+        """The decode state right after the prompt (for profiling steps on a real cache)."""
+        args = self._prompt_args(prompt_ids, seed)
+        return self._compiled("start", self.decoder.start, *args)[0](self.params, *args)
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16) -> Result:
         """Generate for one prompt; `on_tokens(all_new_tokens_so_far)` is called after each chunk."""
         d = self.decoder
         n = len(prompt_ids)
-        d.check_prompt(n)
         max_new_tokens = min(max_new_tokens, d.max_cache_len - n)
-        width = bucket(n, d.max_cache_len)
-        prompt = np.full((1, width), d.pad_id, np.int32)
-        prompt[0, :n] = prompt_ids
-        args = (jnp.asarray(prompt), jnp.asarray([n], jnp.int32), jax.random.key(seed))
+        args = self._prompt_args(prompt_ids, seed)
         start, compile_s = self._compiled("start", d.start, *args)
         t = time.perf_counter()
         state = start(self.params, *args)

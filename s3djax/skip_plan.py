@@ -75,13 +75,15 @@ class SkipPlan:
         return cls(tuple(attn), tuple(mlp))
 
     def spec(self) -> str:
-        """The inverse of `parse` (one item per skipped sub-layer group), for logs and checkpoints."""
-        items = []
-        for i, (a, m) in enumerate(zip(self.attn, self.mlp)):
-            if not a and not m:
-                items.append(str(i))
-            elif not a:
-                items.append(f"{i}.attn")
-            elif not m:
-                items.append(f"{i}.mlp")
+        """The inverse of `parse`, with runs of layers skipped alike written as ranges ("8-21")."""
+        kinds = ["" if not a and not m else ".attn" if not a else ".mlp" if not m else None
+                 for a, m in zip(self.attn, self.mlp)]
+        items, i = [], 0
+        while i < len(kinds):
+            j = i
+            while j + 1 < len(kinds) and kinds[j + 1] == kinds[i]:
+                j += 1
+            if kinds[i] is not None:
+                items.append((f"{i}" if i == j else f"{i}-{j}") + kinds[i])
+            i = j + 1
         return ",".join(items)

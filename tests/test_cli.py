@@ -56,3 +56,28 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message):
     lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith(progress)]
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_s3d_prints_the_same_text_as_ar_and_reports_acceptance():
+    common = ["--prompt", "Name three primary colors.", "--max-new-tokens", "24", "--max-cache-len", "128", "--json"]
+    ar, s3d = generate("--method", "ar", *common), generate("--method", "s3d", "--tree", "tree-8", *common)
+    assert ar.returncode == 0 and s3d.returncode == 0, s3d.stderr
+    ar_out, s3d_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (ar, s3d))
+    assert s3d_out["text"] == ar_out["text"] and s3d_out["method"] == "s3d"
+    assert s3d_out["verify_steps"] >= 1 and len(s3d_out["acceptance_by_depth"]) == 4
+    assert 1.0 <= s3d_out["mean_accepted_tokens"] <= 5.0
+    assert "warning: no --draft given" in s3d.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "s3d", "--tree", "bush"], "unknown tree 'bush'"),
+    (["--method", "s3d", "--tree", "tree-16", "--gamma", "2"], "raise --gamma to 4"),
+    (["--method", "s3d", "--gamma", "0"], "--gamma must be at least 1"),
+    (["--method", "s3d", "--draft", "/no/such/draft.npz"], "no such draft file"),
+    (["--method", "s3d", "--temperature", "0.7"], "decode greedily for now"),
+])
+def test_s3d_bad_input_is_one_line_and_exit_code_2(args, message):
+    r = generate("--prompt", "hello", *args)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith(("loading ", "warning:"))]
+    assert len(lines) == 1 and message in lines[0], r.stderr

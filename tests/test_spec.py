@@ -176,7 +176,7 @@ def test_draft_file_round_trip(tmp_path):
     draft = perturbed_draft(params, LLAMA, plan, 5)
     save_draft(str(tmp_path / "d.npz"), draft, {"skip": plan.spec(), "gamma": 4})
     loaded, meta = load_draft(str(tmp_path / "d.npz"), LLAMA, jnp.float32)
-    assert meta == {"mask_token": "extra-row", "skip": "1,2", "gamma": 4}
+    assert meta == {"mask_token": "extra-row", "skip": "1-2", "gamma": 4}
     assert jax.tree.structure(loaded) == jax.tree.structure(draft)
     jax.tree.map(lambda a, b: (a == b).all() or pytest.fail("leaf changed"), loaded, draft)
 
@@ -197,3 +197,16 @@ def test_smollm2_s3d_equals_ar(smollm2):
         assert got.tokens == expected, (tree, text)
         # Every token after the first came from a verify step emitting at most gamma + 1.
         assert got.stats["verify_steps"] * 5 >= len(got.tokens) - 1 > 4
+
+
+def test_profiling_mode_times_each_step_apart():
+    from s3djax.spec.profile import step_times
+
+    params = random_params(LLAMA, 0)
+    plan = SkipPlan.parse("1-2", LLAMA.num_layers)
+    runner = spec_runner(LLAMA, params, init_draft(params, LLAMA, plan), plan, trees.resolve("tree-8", 4), 4)
+    times = step_times(runner.decoder, runner.params, runner.prefill([1, 2, 3, 4]), repeats=2,
+                       trees={"chain": TreeSpec.chain(4), "tree-8": trees.resolve("tree-8", 4)})
+    assert set(times) == {"ar_step_ms", "draft_step_ms", "verify_chain_ms", "verify_tree-8_ms"}
+    assert all(v > 0 for v in times.values())
+    assert runner.generate([1, 2, 3, 4], 10).tokens == ar_runner(LLAMA, params).generate([1, 2, 3, 4], 10).tokens
