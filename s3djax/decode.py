@@ -35,7 +35,9 @@ class ARDecoder:
     plan: SkipPlan | None = None
     sampling: Sampling = Sampling()
     cache_dtype: str = "float32"
-    token_slack: int = 0  # extra output slots, for loops that emit several tokens per step
+    # Extra cache and output slots past max_cache_len, for loops that write a whole block past the
+    # committed length: a step never has to shrink near the end, and output past the cap is dropped.
+    slack: int = 0
 
     def check_prompt(self, n: int) -> None:
         if n == 0:
@@ -51,14 +53,14 @@ class ARDecoder:
     def start(self, params, prompt, lengths, key):
         """Prefill right-padded prompts [B, P] (real lengths [B]) and sample each row's first token."""
         b, p = prompt.shape
-        cache = kv.init_cache(self.config, b, self.max_cache_len, jnp.dtype(self.cache_dtype))
+        cache = kv.init_cache(self.config, b, self.max_cache_len + self.slack, jnp.dtype(self.cache_dtype))
         slots = jnp.zeros((b,), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        hidden, cache = self._step(params, prompt, positions, cache, slots, kv.causal_mask(slots, p, self.max_cache_len))
+        hidden, cache = self._step(params, prompt, positions, cache, slots, kv.causal_mask(slots, p, kv.cache_len(cache)))
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         key, sub = jax.random.split(key)
         first = sample(model.logits(params, last), sub, self.sampling)
-        out = jnp.full((b, self.max_cache_len + self.token_slack), self.pad_id, jnp.int32).at[:, 0].set(first)
+        out = jnp.full((b, self.max_cache_len + self.slack), self.pad_id, jnp.int32).at[:, 0].set(first)
         return dict(tokens=out, cache=cache, step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
                     done=self.is_eos(first), key=key)
 
@@ -74,7 +76,7 @@ class ARDecoder:
         def body(s):
             slots = s["length"]
             hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots,
-                                       kv.causal_mask(slots, 1, self.max_cache_len))
+                                       kv.causal_mask(slots, 1, kv.cache_len(s["cache"])))
             key, sub = jax.random.split(s["key"])
             nxt = sample(model.logits(params, hidden[:, 0]), sub, self.sampling)
             nxt = jnp.where(s["done"], self.pad_id, nxt)

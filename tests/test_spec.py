@@ -142,13 +142,12 @@ def test_eos_inside_an_accepted_path_ends_the_output_there():
 
 
 def test_output_matches_ar_at_the_cache_length_boundary():
-    # 11 prompt tokens + whole chains of 5 reach slot 36, where a 5-node tree no longer fits in 40.
+    # 11 prompt tokens + whole chains of 5 reach slot 36, where a 5-node tree runs into the slack slots.
     params, prompt, cache = random_params(LLAMA, 0), list(range(1, 12)), 40
     expected = ar_runner(LLAMA, params, cache=cache).generate(prompt, 100).tokens
     assert len(expected) == cache - len(prompt)  # the cache, not the budget, ended it
     got = oracle_runner(LLAMA, params, prompt + expected, gamma=4, cache=cache).generate(prompt, 100)
     assert got.tokens == expected
-    assert got.stats["ar_fallback_steps"] > 0  # the last slots were filled by AR steps
     plan = SkipPlan.parse("1-2", LLAMA.num_layers)
     s3d = spec_runner(LLAMA, params, init_draft(params, LLAMA, plan), plan, trees.resolve("tree-16", 4), 4, cache=cache)
     assert s3d.generate(prompt, 100).tokens == expected

@@ -4,8 +4,9 @@
 `Runner` times and streams it the same way. Its params are the pair (target params, draft params).
 Batch size is 1: rows accept different numbers of tokens, and the loop keeps one output cursor.
 
-Near the end of the cache, where a draft block or tree no longer fits, the loop takes plain AR steps
-(verification of a root-only tree), so output and its length match `ar` exactly up to the last slot.
+The cache has `slack` slots past --max-cache-len, so a draft block and a tree always fit; the loop
+stops where `ar` would (the committed length reaching max_cache_len), and the Runner's cap on new
+tokens drops anything emitted past it, so output matches `ar` exactly at the boundary too.
 """
 
 from __future__ import annotations
@@ -18,22 +19,20 @@ import numpy as np
 
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
-from s3djax.spec.tree import TreeSpec
 from s3djax.spec.verify import verify
-
-ROOT_ONLY = TreeSpec(())
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecDecoder:
-    ar: ARDecoder        # prefill, EOS and padding settings; its token_slack covers one step's output
+    ar: ARDecoder        # prefill, EOS and padding settings; its slack covers one block and one tree
     drafter: object      # see s3djax.spec.drafters
 
     @classmethod
     def create(cls, ar: ARDecoder, drafter) -> "SpecDecoder":
         if not ar.sampling.greedy:
             raise UserError("speculative methods decode greedily for now; drop --temperature/--top-k/--top-p")
-        return cls(dataclasses.replace(ar, token_slack=drafter.tree.depth + 1), drafter)
+        # Slack covers the draft block, the tree's scratch slots and one step's output (depth + 1).
+        return cls(dataclasses.replace(ar, slack=max(drafter.tree.num_nodes, drafter.gamma)), drafter)
 
     @property
     def max_cache_len(self):
@@ -53,44 +52,30 @@ class SpecDecoder:
         state = self.ar.start(target, prompt, lengths, key)
         depth = self.drafter.tree.depth
         return {**state, "drafter": self.drafter.init_state(target, draft),
-                "accepted_hist": jnp.zeros(depth + 1, jnp.int32), "ar_steps": jnp.int32(0)}
+                "accepted_hist": jnp.zeros(depth + 1, jnp.int32)}
 
     def decode(self, params, state, stop_at):
         target, draft = params
         tree, drafter, s_max = self.drafter.tree, self.drafter, self.ar.max_cache_len
         config, width = self.ar.config, tree.depth + 1
-        room = max(tree.num_nodes, drafter.gamma)
-
-        def speculate(s):
-            nodes, valid, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
-            cache, accepted, emitted = verify(target, cache, s["length"], s["last"], nodes, valid, config=config,
-                                              tree=tree)
-            return cache, accepted, emitted, drafter.update(dstate, accepted), jnp.int32(0)
-
-        def ar_step(s):
-            none = jnp.zeros((1, 0), jnp.int32)
-            cache, accepted, emitted = verify(target, s["cache"], s["length"], s["last"], none, none.astype(bool),
-                                              config=config, tree=ROOT_ONLY)
-            emitted = jnp.pad(emitted, ((0, 0), (0, width - 1)), constant_values=self.ar.pad_id)
-            return cache, accepted, emitted, s["drafter"], jnp.int32(1)
 
         def cond(s):
             return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
 
         def body(s):
-            fits = jnp.all(s["length"] + room <= s_max)
-            cache, accepted, emitted, dstate, fallback = jax.lax.cond(fits, speculate, ar_step, s)
+            nodes, valid, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
+            cache, accepted, emitted = verify(target, cache, s["length"], s["last"], nodes, valid, config=config,
+                                              tree=tree)
             # Tokens after an EOS inside the accepted path are dropped.
             live = jnp.arange(width)[None] <= accepted[:, None]
             eos = self.ar.is_eos(emitted) & live
             n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
-            tokens = jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"]))
-            hist = s["accepted_hist"].at[accepted[0]].add(1 - fallback)
-            return {**s, "tokens": tokens, "cache": cache, "step": s["step"] + n_out[0],
+            return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
+                    "cache": cache, "step": s["step"] + n_out[0],
                     "last": emitted[jnp.arange(emitted.shape[0]), n_out - 1], "length": s["length"] + accepted + 1,
-                    "done": s["done"] | eos.any(1), "drafter": dstate, "accepted_hist": hist,
-                    "ar_steps": s["ar_steps"] + fallback}
+                    "done": s["done"] | eos.any(1), "drafter": drafter.update(dstate, accepted),
+                    "accepted_hist": s["accepted_hist"].at[accepted[0]].add(1)}
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -102,5 +87,4 @@ class SpecDecoder:
         reached = hist[::-1].cumsum()[::-1]  # reached[k]: steps that accepted at least k drafts
         alpha = [float(reached[k] / reached[k - 1]) if reached[k - 1] else 0.0 for k in range(1, len(hist))]
         tau = float((hist * (np.arange(len(hist)) + 1)).sum() / steps) if steps else 0.0
-        return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=steps,
-                    ar_fallback_steps=int(state["ar_steps"]))
+        return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=steps)
