@@ -50,9 +50,9 @@ class SpecDecoder:
             raise UserError("speculative decoding runs one sequence at a time")
         target, draft = params
         state = self.ar.start(target, prompt, lengths, key)
-        depth = self.drafter.tree.depth
+        # Per verify step, the number of drafts accepted (-1: no step yet); at most one step per token.
         return {**state, "drafter": self.drafter.init_state(target, draft),
-                "accepted_hist": jnp.zeros(depth + 1, jnp.int32)}
+                "accepted_log": jnp.full(self.ar.max_cache_len, -1, jnp.int32), "iteration": jnp.int32(0)}
 
     def decode(self, params, state, stop_at):
         target, draft = params
@@ -75,16 +75,18 @@ class SpecDecoder:
                     "cache": cache, "step": s["step"] + n_out[0],
                     "last": emitted[jnp.arange(emitted.shape[0]), n_out - 1], "length": s["length"] + accepted + 1,
                     "done": s["done"] | eos.any(1), "drafter": drafter.update(dstate, accepted),
-                    "accepted_hist": s["accepted_hist"].at[accepted[0]].add(1)}
+                    "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
+                    "iteration": s["iteration"] + 1}
 
         return jax.lax.while_loop(cond, body, state)
 
-    @staticmethod
-    def stats(state) -> dict:
+    def stats(self, state) -> dict:
         """tau counts the bonus token: tokens emitted per verify step. alpha_k: P(depth k accepted | k-1 was)."""
-        hist = np.asarray(state["accepted_hist"]).astype(np.int64)
-        steps = int(hist.sum())
+        log = np.asarray(state["accepted_log"])
+        accepted = log[log >= 0]
+        hist = np.bincount(accepted, minlength=self.drafter.tree.depth + 1)
         reached = hist[::-1].cumsum()[::-1]  # reached[k]: steps that accepted at least k drafts
         alpha = [float(reached[k] / reached[k - 1]) if reached[k - 1] else 0.0 for k in range(1, len(hist))]
-        tau = float((hist * (np.arange(len(hist)) + 1)).sum() / steps) if steps else 0.0
-        return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=steps)
+        tau = float((accepted + 1).mean()) if accepted.size else 0.0
+        return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=int(accepted.size),
+                    accepted_per_step=accepted.tolist())
