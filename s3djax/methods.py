@@ -45,16 +45,14 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
 
     if gamma < 1:
         raise UserError(f"--gamma must be at least 1, got {gamma}")
+    draft, meta = load_draft(draft_path, m.config, DTYPES[dtype]) if draft_path else (None, {})
+    if plan is None:  # a trained draft brings the plan it was trained with
+        plan = SkipPlan.parse(meta["skip"], m.config.num_layers) if meta.get("skip") else \
+            default_draft_plan(m.config.num_layers)
     warnings = []
-    if draft_path:
-        draft, meta = load_draft(draft_path, m.config, DTYPES[dtype])
-        if plan is None and meta.get("skip"):
-            plan = SkipPlan.parse(meta["skip"], m.config.num_layers)
-    else:
-        warnings.append("no --draft given: using an untrained mask token, so acceptance will be low")
-    plan = plan or default_draft_plan(m.config.num_layers)
-    if not draft_path:
+    if draft is None:
         draft = init_draft(m.params, m.config, plan)
+        warnings.append("no --draft given: using an untrained mask token, so acceptance will be low")
     spec_tree = trees.resolve(tree, gamma)
     drafter = S3DDrafter(m.config, plan, spec_tree, gamma)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings)

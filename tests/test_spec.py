@@ -213,3 +213,17 @@ def test_profiling_mode_times_each_step_apart():
     assert set(times) == {"ar_step_ms", "draft_step_ms", "verify_chain_ms", "verify_tree-8_ms"}
     assert all(v > 0 for v in times.values())
     assert runner.generate([1, 2, 3, 4], 10).tokens == ar_runner(LLAMA, params).generate([1, 2, 3, 4], 10).tokens
+
+
+def test_a_draft_file_brings_its_plan_and_silences_the_warning(smollm2, tmp_path):
+    from s3djax import methods
+
+    plan = SkipPlan.parse("10-19", smollm2.config.num_layers)
+    draft = init_draft(smollm2.params, smollm2.config, plan, lora_rank=2)
+    draft["mask_embed"] = draft["mask_embed"] + 1.0
+    save_draft(str(tmp_path / "d.npz"), draft, {"skip": plan.spec(), "gamma": 4})
+    built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "d.npz"))
+    assert built.warnings == [] and built.decoder.drafter.plan == plan
+    assert (built.params[1]["mask_embed"] == draft["mask_embed"]).all()
+    overridden = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "d.npz"), skip="8-21")
+    assert overridden.decoder.drafter.plan == methods.default_draft_plan(30)
