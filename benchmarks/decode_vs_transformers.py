@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 
+from benchmarks import report
 from infer.cli import Parser, run
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -78,7 +79,7 @@ def main():
         rows.append(f"| s3djax AR (one while_loop) | {c} | {n / total:.1f} | {n / total / hf_tps:.2f}x | "
                     f"{decode:.1f} | {compile_s[c]:.1f} |")
     table = "\n".join([
-        f"# Greedy decode: s3djax vs transformers, SmolLM2-135M-Instruct fp32",
+        "# Greedy decode: s3djax vs transformers, SmolLM2-135M-Instruct fp32",
         "",
         f"- device: {dev}",
         f"- jax {jax.__version__}, transformers {transformers.__version__}, torch {torch.__version__}",
@@ -93,14 +94,7 @@ def main():
         "",
         "End to end = new tokens / (prefill + decode) wall time, compile excluded; decode only excludes prefill.",
     ])
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    slug = "cpu" if jax.devices()[0].platform == "cpu" else jax.devices()[0].device_kind.replace(" ", "-").lower()
-    path = os.path.join(args.out, f"decode_vs_transformers-{slug}.md")
-    with open(path, "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {path}", file=sys.stderr)
-
+    report.write(args.out, "decode_vs_transformers", table)
 
 if __name__ == "__main__":
     run(main)

@@ -7,11 +7,8 @@ and the verify step for each tree size (how verification cost grows with the tre
 from __future__ import annotations
 
 import datetime
-import os
-import statistics
-import sys
-import time
 
+from benchmarks import report
 from infer.cli import Parser, run
 
 
@@ -25,7 +22,6 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    import jax
 
     from s3djax import device, methods
     from s3djax.decode import Runner
@@ -54,14 +50,7 @@ def main():
              "| step | tokens in | ms | vs AR step |", "| --- | --- | --- | --- |"]
     lines += [f"| {name} | {n} | {ms:.1f} | {ms / ar:.2f}x |" for name, n, ms in rows]
     table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    slug = "cpu" if jax.devices()[0].platform == "cpu" else jax.devices()[0].device_kind.replace(" ", "-").lower()
-    path = os.path.join(args.out, f"spec_step_latency-{slug}.md")
-    with open(path, "w") as f:
-        f.write(table + "\n")
-    print(f"wrote {path}", file=sys.stderr)
-
+    report.write(args.out, "spec_step_latency", table)
 
 if __name__ == "__main__":
     run(main)

@@ -7,7 +7,6 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from s3djax import cache as kv
