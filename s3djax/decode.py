@@ -47,8 +47,7 @@ class ARDecoder:
                             "raise --max-cache-len or shorten the prompt")
 
     def _step(self, params, tokens, positions, cache, slots, mask):
-        hidden, cache = model.forward(params, tokens, positions, cache, slots, mask, config=self.config, plan=self.plan)
-        return hidden, cache
+        return model.forward(params, tokens, positions, cache, slots, mask, config=self.config, plan=self.plan)
 
     def start(self, params, prompt, lengths, key):
         """Prefill right-padded prompts [B, P] (real lengths [B]) and sample each row's first token."""
@@ -115,13 +114,12 @@ class Runner:
 
     def _compiled(self, name: str, fn, *args):
         key = (name,) + tuple((a.shape, a.dtype) for a in jax.tree.leaves(args) if hasattr(a, "shape"))
-        if key not in self._executables:
-            t = time.perf_counter()
-            donate = (1,) if name == "decode" else ()
-            self._executables[key] = (jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(),
-                                      time.perf_counter() - t)
-            return self._executables[key][0], self._executables[key][1]
-        return self._executables[key][0], 0.0
+        if key in self._executables:
+            return self._executables[key], 0.0
+        t = time.perf_counter()
+        donate = (1,) if name == "decode" else ()  # the state, cache included, is updated in place
+        self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile()
+        return self._executables[key], time.perf_counter() - t
 
     def _prompt_args(self, prompt_ids: list[int], seed: int):
         d = self.decoder
