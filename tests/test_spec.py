@@ -227,3 +227,14 @@ def test_a_draft_file_brings_its_plan_and_silences_the_warning(smollm2, tmp_path
     assert (built.params[1]["mask_embed"] == draft["mask_embed"]).all()
     overridden = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "d.npz"), skip="8-21")
     assert overridden.decoder.drafter.plan == methods.default_draft_plan(30)
+
+
+@pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
+def test_a_draft_keeping_every_layer_is_always_right_at_depth_1(config):
+    # Block position 0 is the last token through the full model over the committed cache: exactly the
+    # target's next-token prediction. Anything below 1.0 means a RoPE, K/V or off-by-one bug.
+    params = random_params(config, 7)
+    plan = SkipPlan.full(config.num_layers)
+    draft = init_draft(params, config, plan, lora_rank=2)  # zero adapters are no-ops
+    got = spec_runner(config, params, draft, plan, TreeSpec.chain(3), 3).generate([2, 7, 1, 8, 2, 8], 40)
+    assert got.stats["acceptance_by_depth"][0] == 1.0 and got.stats["verify_steps"] > 5

@@ -24,25 +24,30 @@ from s3djax.skip_plan import SkipPlan
 MASK_TOKEN_KIND = "extra-row"
 
 
+_ATTENTION_WEIGHTS = ("q", "k", "v", "o", "qkv")
+
+
 def adapter_targets(config: ModelConfig) -> tuple[str, ...]:
     return ("qkv", "o", "gate_up", "down") if config.arch == "phi3" else ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 0, key=None) -> dict:
-    """<M> as the mean token embedding (a neutral start); adapters with B = 0, so they start as no-ops."""
+    """<M> as the mean token embedding (a neutral start); adapters with B = 0, so they start as no-ops.
+
+    Adapters go only on sub-layers the plan runs: the others never see a block token.
+    """
     draft = {"mask_embed": jnp.mean(params["embed"].astype(jnp.float32), axis=0).astype(params["embed"].dtype)}
     if lora_rank:
         key = jax.random.key(0) if key is None else key
         lora = []
         for i, layer in enumerate(params["layers"]):
             adapters = {}
-            if plan.attn[i] or plan.mlp[i]:
-                for name in adapter_targets(config):
-                    if name in layer and (plan.attn[i] if name in ("q", "k", "v", "o", "qkv") else plan.mlp[i]):
-                        key, sub = jax.random.split(key)
-                        d_in, d_out = layer[name].shape
-                        adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
-                            layer[name].dtype), "b": jnp.zeros((lora_rank, d_out), layer[name].dtype)}
+            for name in adapter_targets(config):
+                if plan.attn[i] if name in _ATTENTION_WEIGHTS else plan.mlp[i]:
+                    key, sub = jax.random.split(key)
+                    d_in, d_out = layer[name].shape
+                    adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
+                        layer[name].dtype), "b": jnp.zeros((lora_rank, d_out), layer[name].dtype)}
             lora.append(adapters)
         draft["lora"] = lora
     return draft
