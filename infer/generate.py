@@ -102,7 +102,8 @@ def main(argv=None):
     built.decoder.check_prompt(len(ids))
     print(f"loaded {m.name} in {m.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
     stream = None if args.json else TextStream(tok)
-    result = Runner(built.decoder, built.params).generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
+    runner = Runner(built.decoder, built.params)
+    result = runner.generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
     text = tok.decode(result.tokens, skip_special_tokens=True)
     if stream:
         print(flush=True)
@@ -119,7 +120,7 @@ def main(argv=None):
     if args.profile and result.stats:
         from s3djax.spec.profile import step_times
 
-        state = Runner(built.decoder, built.params).prefill(ids)
+        state = runner.prefill(ids)  # reuses the compiled prefill
         result.stats.update({k: round(v, 2) for k, v in step_times(built.decoder, built.params, state).items()})
         print(f"[{args.method}] step times at the prompt's length: " + ", ".join(
             f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f} ms" for k, v in result.stats.items()

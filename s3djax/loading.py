@@ -43,10 +43,6 @@ def _with_progress(get, total: int, label: str, show: bool):
     return counted
 
 
-def _num_tensors(config: ModelConfig) -> int:
-    return 2 + (not config.tie_word_embeddings) + config.num_layers * (6 if config.arch == "phi3" else 9)
-
-
 def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
                attention: str = "xla", progress: bool = True) -> LoadedModel:
     """`name_or_path`: a registry name, a .gguf file, or a Hugging Face checkpoint folder.
@@ -78,7 +74,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | N
     pool = ThreadPoolExecutor(1)
     if path.endswith(".gguf"):
         gf = weights.GGUFFile(path)
-        config, get = gf.config(), gf.hf_tensor(gf.config())
+        config = gf.config()
+        get = gf.hf_tensor(config)
         tok = pool.submit(tokenizer.from_gguf, gf)
     elif os.path.isdir(path):
         config, get = weights.open_hf_folder(path)
@@ -88,7 +85,7 @@ def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | N
     if entry:
         entry.check_shape(config, path)
     config = config.replace(attention=attention)
-    params = weights.from_hf_tensors(_with_progress(get, _num_tensors(config), label, progress), config, DTYPES[dtype])
+    params = weights.from_hf_tensors(_with_progress(get, weights.num_tensors(config), label, progress), config, DTYPES[dtype])
     tok = tok.result()
     pool.shutdown()
     return LoadedModel(label, config, params, tok, time.perf_counter() - start)

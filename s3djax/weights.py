@@ -29,6 +29,12 @@ def _layer_linears(config: ModelConfig) -> dict[str, str]:
     return {**(_PHI3_LAYER if config.arch == "phi3" else _LLAMA_LAYER), **_SHARED_LAYER}
 
 
+def num_tensors(config: ModelConfig) -> int:
+    """How many tensors `from_hf_tensors` reads (for progress bars)."""
+    per_layer = len(_layer_linears(config)) + len(_NORMS)
+    return 2 + (not config.tie_word_embeddings) + config.num_layers * per_layer
+
+
 def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype=jnp.float32) -> dict:
     """Build params from a getter of Hugging Face-named tensors ([out, in] linears), one at a time."""
 
