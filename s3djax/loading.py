@@ -43,16 +43,8 @@ def _with_progress(get, total: int, label: str, show: bool):
     return counted
 
 
-def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
-               attention: str = "xla", progress: bool = True) -> LoadedModel:
-    """`name_or_path`: a registry name, a .gguf file, or a Hugging Face checkpoint folder.
-
-    Registry shapes without a shipped file (llama-2-7b, ...) need `checkpoint`, and the folder is
-    checked against the shape.
-    """
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    start = time.perf_counter()
+def _resolve(name_or_path: str, checkpoint: str | None):
+    """(registry entry or None, file or folder) for a registry name, .gguf file or checkpoint folder."""
     entry = None
     looks_like_path = os.sep in name_or_path or name_or_path.endswith(".gguf")
     if (looks_like_path or os.path.exists(name_or_path)) and checkpoint is None:
@@ -68,6 +60,28 @@ def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | N
             path = checkpoint
     if not os.path.exists(path):
         raise UserError(f"no such file or folder: {path}")
+    if not (path.endswith(".gguf") or os.path.isdir(path)):
+        raise UserError(f"{path} is neither a .gguf file nor a checkpoint folder")
+    return entry, path
+
+
+def load_tokenizer(name_or_path: str, checkpoint: str | None = None):
+    """The tokenizer alone (data preparation needs no weights)."""
+    _, path = _resolve(name_or_path, checkpoint)
+    return tokenizer.from_gguf(weights.GGUFFile(path)) if path.endswith(".gguf") else tokenizer.from_folder(path)
+
+
+def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
+               attention: str = "xla", progress: bool = True) -> LoadedModel:
+    """`name_or_path`: a registry name, a .gguf file, or a Hugging Face checkpoint folder.
+
+    Registry shapes without a shipped file (llama-2-7b, ...) need `checkpoint`, and the folder is
+    checked against the shape.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    start = time.perf_counter()
+    entry, path = _resolve(name_or_path, checkpoint)
     label = entry.name if entry else os.path.basename(os.path.normpath(path))
     # The tokenizer is built on a second thread: it is mostly transformers' import, which
     # overlaps well with dequantizing weights in NumPy.
@@ -77,11 +91,9 @@ def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | N
         config = gf.config()
         get = gf.hf_tensor(config)
         tok = pool.submit(tokenizer.from_gguf, gf)
-    elif os.path.isdir(path):
+    else:
         config, get = weights.open_hf_folder(path)
         tok = pool.submit(tokenizer.from_folder, path)
-    else:
-        raise UserError(f"{path} is neither a .gguf file nor a checkpoint folder")
     if entry:
         entry.check_shape(config, path)
     config = config.replace(attention=attention)
