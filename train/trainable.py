@@ -1,0 +1,35 @@
+"""Which parameters each training mode trains, kept apart from the frozen rest.
+
+The optimizer only ever sees the trainable tree, so "gradients reach only what the mode allows"
+holds by construction; `assemble` puts the two trees back together for the forward pass.
+- lossless: {"mask_embed", "lora"}: draft-only; the target is untouched.
+- full: {"mask_embed", "layers": {"i": {weight: array}}} over the sub-layers the draft runs; the
+  trained layers replace the target's, and the skipped ones stay frozen.
+"""
+
+from __future__ import annotations
+
+from s3djax.config import ModelConfig
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec.draft_params import init_draft, with_layers
+
+_ATTN = ("attn_norm", "q", "k", "v", "o", "qkv")
+_MLP = ("mlp_norm", "gate", "up", "down", "gate_up")
+
+
+def init_trainable(params, config: ModelConfig, plan: SkipPlan, mode: str, lora_rank: int, key) -> dict:
+    if mode == "lossless":
+        return init_draft(params, config, plan, lora_rank=lora_rank, key=key)
+    layers = {}
+    for i, layer in enumerate(params["layers"]):
+        names = (_ATTN if plan.attn[i] else ()) + (_MLP if plan.mlp[i] else ())
+        if names:
+            layers[str(i)] = {n: w for n, w in layer.items() if n in names}
+    return {"mask_embed": init_draft(params, config, plan)["mask_embed"], "layers": layers}
+
+
+def assemble(trainable: dict, frozen: dict) -> tuple[dict, dict]:
+    """(model params, draft params) for the forward pass."""
+    if "layers" not in trainable:
+        return frozen, trainable
+    return with_layers(frozen, trainable["layers"]), {"mask_embed": trainable["mask_embed"]}
