@@ -1,0 +1,124 @@
+"""The training loop: it learns, resumes exactly after SIGKILL, and shards without changing the math."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from tiny import tiny_config, tiny_model
+from train import prepare_data
+from train.s3d import train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("shards"))
+    prepare_data.prepare("smollm2-135m", out, max_len=64, pack=True, eval_fraction=0.1, limit=80, progress=False)
+    return out
+
+
+def python(script: str, env=None):
+    return subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{ROOT!r}, {HERE!r}]\n{script}"],
+                          capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+@pytest.mark.parametrize("mode", ["lossless", "full"])
+def test_a_few_steps_reduce_the_held_out_loss_and_export_a_draft(data, tmp_path, mode):
+    from s3djax.spec.draft_params import load_draft
+    from tiny import TINY
+
+    m = tiny_model()
+    result = train(tiny_config(data, str(tmp_path), mode=mode, steps=12, eval_every=1, eval_batches=1), loaded=m,
+                   progress=False)
+    evals = [r["loss"] for r in result["records"] if r["split"] == "eval"]
+    assert evals[-1] < 0.8 * evals[0], evals
+    draft, meta = load_draft(str(tmp_path / "draft.npz"), TINY, np.float32)
+    assert meta["skip"] == "1-2" and meta["mode"] == mode and meta["steps"] == 12
+    assert ("lora" in draft) == (mode == "lossless") and ("layers" in draft) == (mode == "full")
+    assert os.path.getsize(tmp_path / "loss.png") > 1000
+
+
+def test_the_train_step_compiles_once(data, tmp_path):
+    compiles, seen = [], {}
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    train(tiny_config(data, str(tmp_path), steps=9, eval_every=100, save_every=100), loaded=tiny_model(),
+          progress=False, on_step=lambda step: seen.setdefault(step, len(compiles)))
+    assert seen[1] > 0 and seen[8] == seen[1]  # steps 2-8 reuse step 1's executable
+
+
+def test_sigkill_then_the_same_command_resumes_identically(data, tmp_path):
+    reference = train(tiny_config(data, str(tmp_path / "ref")), loaded=tiny_model(), progress=False)
+    run = str(tmp_path / "run")
+    killed = python(f"""
+import os, signal
+from tiny import tiny_config, tiny_model
+from train.s3d import train
+def kill(step):
+    if step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+train(tiny_config({data!r}, {run!r}), loaded=tiny_model(), progress=False, on_step=kill)
+""")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        assert max(json.loads(line)["step"] for line in f) == 5  # step 5 ran, but its checkpoint never came
+    resumed = train(tiny_config(data, run), loaded=tiny_model(), progress=False)
+    assert without_timing(resumed["records"]) == without_timing(reference["records"])
+    jax.tree.map(np.testing.assert_array_equal, resumed["trainable"], reference["trainable"])
+
+
+def test_a_changed_setting_refuses_to_resume(data, tmp_path):
+    from s3djax.errors import UserError
+
+    train(tiny_config(data, str(tmp_path), steps=1), loaded=tiny_model(), progress=False)
+    with pytest.raises(UserError, match=r"different settings \(lr\)"):
+        train(tiny_config(data, str(tmp_path), steps=1, lr=1.0), loaded=tiny_model(), progress=False)
+
+
+def test_four_devices_give_the_same_training_as_one(data, tmp_path):
+    r = python(f"""
+import json, jax
+from tiny import tiny_config, tiny_model
+from train.s3d import train
+out = {{}}
+for name, devices, fsdp in (("one", jax.devices()[:1], False), ("dp", None, False), ("fsdp", None, True)):
+    res = train(tiny_config({data!r}, {str(tmp_path)!r} + "/" + name, steps=3, fsdp=fsdp), loaded=tiny_model(),
+                progress=False, devices=devices)
+    out[name] = {{"losses": [x["loss"] for x in res["records"]],
+                 "leaves": [a.tolist() for a in jax.tree.leaves(res["trainable"])[:3]]}}
+print(json.dumps({{"devices": jax.device_count(), **out}}))
+""", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 4
+    for name in ("dp", "fsdp"):
+        np.testing.assert_allclose(got[name]["losses"], got["one"]["losses"], rtol=2e-5)
+        for a, b in zip(got[name]["leaves"], got["one"]["leaves"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nope=1"], "unknown training settings ['nope']"),
+    (["mode=sideways"], "mode must be one of lossless, full"),
+    (["steps=ten"], "training setting steps='ten' should be"),
+    (["--config", "/no/such.yaml"], "no such config file"),
+    (["data=/no/such/dir"], "no manifest.json in /no/such/dir"),
+])
+def test_bad_settings_are_one_line_and_exit_2(tmp_path, args, message):
+    r = subprocess.run([sys.executable, "-m", "train.s3d", f"out={tmp_path}/o", *args], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
