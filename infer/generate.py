@@ -29,7 +29,8 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("xla",), default="xla")
     p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s plan '
                    "for s3d (default: about half, around the middle), the whole model's for ar (default: none)")
-    p.add_argument("--draft", help="trained draft file (.npz) for s3d")
+    p.add_argument("--draft", help="trained draft file (.npz) for s3d; default: the model's shipped draft; "
+                   "'none': an untrained mask token")
     p.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
     p.add_argument("--tree", default="chain", help="token tree: chain (gamma nodes) or a name in configs/trees")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -113,10 +114,9 @@ def main(argv=None):
           f"compile {result.compile_s:.1f} s (apart) on {dev}", file=sys.stderr)
     if result.stats:
         st = result.stats
-        print(f"[{args.method}] mean accepted tokens per verify step (bonus included) "
-              f"{st['mean_accepted_tokens']:.2f}, acceptance by depth "
-              f"{' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, {st['verify_steps']} verify steps",
-              file=sys.stderr)
+        print(f"[{args.method}] tau {st['mean_accepted_tokens']:.2f} tokens per verify step (bonus included), "
+              f"acceptance by depth {' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, "
+              f"{st['verify_steps']} verify steps; {built.draft}", file=sys.stderr)
     if args.profile and result.stats:
         from s3djax.spec.profile import step_times
 

