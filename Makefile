@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 generate: $(STAMP)
-	$(PY) -m infer.generate --model smollm2-135m --prompt "$(PROMPT)" $(ARGS)
+	$(PY) -m infer.generate --model smollm2-135m --method s3d --prompt "$(PROMPT)" $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

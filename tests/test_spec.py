@@ -1,6 +1,7 @@
 """The speculative loop is lossless: greedy s3d output equals greedy ar output, token for token."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +193,7 @@ def test_smollm2_s3d_equals_ar(smollm2):
     cases = [("chain", "What is the capital of France? Answer in one paragraph."),
              ("tree-16", "Write a haiku about the sea.")]
     for tree, text in cases:
-        s3d = methods.build("s3d", smollm2, max_cache_len=160, tree=tree)
+        s3d = methods.build("s3d", smollm2, max_cache_len=160, tree=tree, draft_path="none")
         assert s3d.warnings and "untrained" in s3d.warnings[0]
         ids = encode_prompt(smollm2.tokenizer, text, chat_template=True)
         expected = Runner(ar.decoder, ar.params).generate(ids, 40).tokens
@@ -238,3 +239,40 @@ def test_a_draft_keeping_every_layer_is_always_right_at_depth_1(config):
     draft = init_draft(params, config, plan, lora_rank=2)  # zero adapters are no-ops
     got = spec_runner(config, params, draft, plan, TreeSpec.chain(3), 3).generate([2, 7, 1, 8, 2, 8], 40)
     assert got.stats["acceptance_by_depth"][0] == 1.0 and got.stats["verify_steps"] > 5
+
+
+def test_a_full_mode_draft_replaces_the_verifying_layers(smollm2, tmp_path):
+    from s3djax import methods
+
+    plan = methods.default_draft_plan(30)
+    tuned = smollm2.params["layers"][0]["q"] * 1.01
+    draft = {**init_draft(smollm2.params, smollm2.config, plan), "layers": {"0": {"q": tuned}}}
+    save_draft(str(tmp_path / "full.npz"), draft, {"skip": plan.spec(), "gamma": 4, "mode": "full"})
+    built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "full.npz"))
+    params, loaded = built.params
+    assert "trained in full mode" in built.warnings[0] and "layers" not in loaded
+    assert (params["layers"][0]["q"] == tuned).all() and params["layers"][1] is smollm2.params["layers"][1]
+
+
+def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
+    from s3djax import methods, registry
+    from s3djax.bench_data import mt_bench
+    from s3djax.spec.loop import acceptance
+    from s3djax.tokenizer import encode_prompt
+
+    path = registry.lookup("smollm2-135m").draft_path()
+    shipped = methods.build("s3d", smollm2, max_cache_len=256)
+    assert shipped.warnings == [] and os.path.relpath(path) in shipped.draft
+    untrained = methods.build("s3d", smollm2, max_cache_len=256, draft_path="none")
+    ar = methods.build("ar", smollm2, max_cache_len=256)
+    runs = {name: Runner(b.decoder, b.params) for name, b in (("shipped", shipped), ("untrained", untrained), ("ar", ar))}
+    accepted = {"shipped": [], "untrained": []}
+    for q in mt_bench()[:3]:
+        ids = encode_prompt(smollm2.tokenizer, q["turns"][0], chat_template=True)
+        expected = runs["ar"].generate(ids, 48).tokens
+        for name in accepted:
+            got = runs[name].generate(ids, 48)
+            assert got.tokens == expected
+            accepted[name] += got.stats["accepted_per_step"]
+    alpha = {name: acceptance(a, 4)["acceptance_by_depth"][0] for name, a in accepted.items()}
+    assert alpha["shipped"] > alpha["untrained"] + 0.15, alpha

@@ -122,3 +122,18 @@ def test_bad_settings_are_one_line_and_exit_2(tmp_path, args, message):
     r = subprocess.run([sys.executable, "-m", "train.s3d", f"out={tmp_path}/o", *args], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_nan_loss_stops_with_a_message_and_keeps_the_last_checkpoint(data, tmp_path):
+    from s3djax.errors import UserError
+
+    def interrupt(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(data, str(tmp_path), steps=4), loaded=tiny_model(), progress=False, on_step=interrupt)
+    broken = tiny_model()
+    broken.params["final_norm"] = broken.params["final_norm"] * np.nan
+    with pytest.raises(UserError, match=r"loss became nan at step 3; .*last checkpoint \(step 2\) is intact"):
+        train(tiny_config(data, str(tmp_path), steps=4), loaded=broken, progress=False)

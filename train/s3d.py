@@ -207,34 +207,37 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
     if start:
         say(f"resumed from step {start} in {out}")
     window, tokens, tic = None, 0, time.perf_counter()
-    for step in range(start + 1, cfg.steps + 1):
-        for _ in range(cfg.grad_accum):
-            micro = int(state["micro_step"])
-            rows = data.batch(cfg.seed, micro, cfg.batch_size)
-            state, loss, sums = trainer.train_step(state, frozen, sharding.global_batch(rows, mesh))
-            window = sums if window is None else jax.tree.map(jnp.add, window, sums)
-            tokens += int(rows["lengths"].sum())
-        loss = float(loss)
-        if not math.isfinite(loss):
-            raise UserError(f"loss became {loss} at step {step}; stopping without saving. The last checkpoint "
-                            f"(step {mngr.latest_step() or 'none'}) is intact: lower lr or use compute_dtype=float32")
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            s = summarize(jax.device_get(window))
-            rate = tokens / (time.perf_counter() - tic)
-            metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
-                           "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
-            bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
-            window, tokens, tic = None, 0, time.perf_counter()
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            e = evaluate(step)
-            say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            mngr.save(step, args=ocp.args.StandardSave(state))
-        bar.update()
-        if on_step:
-            on_step(step)
-    bar.close()
-    mngr.wait_until_finished()
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            for _ in range(cfg.grad_accum):
+                micro = int(state["micro_step"])
+                rows = data.batch(cfg.seed, micro, cfg.batch_size)
+                state, loss, sums = trainer.train_step(state, frozen, sharding.global_batch(rows, mesh))
+                window = sums if window is None else jax.tree.map(jnp.add, window, sums)
+                tokens += int(rows["lengths"].sum())
+            loss = float(loss)
+            if not math.isfinite(loss):
+                mngr.wait_until_finished()
+                raise UserError(f"loss became {loss} at step {step}; stopping without saving. The last checkpoint "
+                                f"(step {mngr.latest_step() or 'none'}) is intact: lower lr or use compute_dtype=float32")
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                s = summarize(jax.device_get(window))
+                rate = tokens / (time.perf_counter() - tic)
+                metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
+                               "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
+                bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
+                window, tokens, tic = None, 0, time.perf_counter()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                e = evaluate(step)
+                say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                mngr.save(step, args=ocp.args.StandardSave(state))
+            bar.update()
+            if on_step:
+                on_step(step)
+    finally:  # Ctrl-C or an error still lets the checkpoint under way finish
+        bar.close()
+        mngr.wait_until_finished()
     # Exported on every finishing run, so rerunning a finished command re-exports its draft.
     evals = [r for r in metrics.records if r["split"] == "eval"]
     final = evals[-1] if evals else evaluate(cfg.steps)

@@ -81,12 +81,19 @@ class SpecDecoder:
         return jax.lax.while_loop(cond, body, state)
 
     def stats(self, state) -> dict:
-        """tau counts the bonus token: tokens emitted per verify step. alpha_k: P(depth k accepted | k-1 was)."""
         log = np.asarray(state["accepted_log"])
-        accepted = log[log >= 0]
-        hist = np.bincount(accepted, minlength=self.drafter.tree.depth + 1)
-        reached = hist[::-1].cumsum()[::-1]  # reached[k]: steps that accepted at least k drafts
-        alpha = [float(reached[k] / reached[k - 1]) if reached[k - 1] else 0.0 for k in range(1, len(hist))]
-        tau = float((accepted + 1).mean()) if accepted.size else 0.0
-        return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=int(accepted.size),
-                    accepted_per_step=accepted.tolist())
+        return acceptance(log[log >= 0], self.drafter.tree.depth)
+
+
+def acceptance(accepted, depth: int) -> dict:
+    """tau counts the bonus token: tokens emitted per verify step. alpha_k: P(depth k accepted | k-1 was).
+
+    `accepted`: drafts accepted at each verify step (one run's, or several runs' pooled).
+    """
+    accepted = np.asarray(accepted, np.int64)
+    hist = np.bincount(accepted, minlength=depth + 1)
+    reached = hist[::-1].cumsum()[::-1]  # reached[k]: steps that accepted at least k drafts
+    alpha = [float(reached[k] / reached[k - 1]) if reached[k - 1] else 0.0 for k in range(1, len(hist))]
+    tau = float((accepted + 1).mean()) if accepted.size else 0.0
+    return dict(mean_accepted_tokens=tau, acceptance_by_depth=alpha, verify_steps=int(accepted.size),
+                accepted_per_step=accepted.tolist())
