@@ -62,7 +62,7 @@ def main():
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- first turns of MT-Bench questions 1-{len(prompts)}, chat template, greedy, up to "
              f"{args.max_new_tokens} new tokens, cache {args.cache_len}, gamma {args.gamma}",
-             *[f"- {label} draft: {about}" for label, about in drafts.items()],
+             *[f"- {label}: {about}" for label, about in drafts.items()],
              "- tau: tokens emitted per verify step (bonus included); alpha_k: P(depth k accepted | k-1 was)", "",
              "| method | tokens identical to AR | tau | alpha_1..alpha_gamma | tokens/s | vs AR |",
              "| --- | --- | --- | --- | --- | --- |",

@@ -206,6 +206,8 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
     say = bar.write if progress else (lambda line: None)
     if start:
         say(f"resumed from step {start} in {out}")
+    if start == 0:  # the untrained draft's figures start the held-out curve
+        say(f"step 0: held-out accuracy by depth {evaluate(0)['depth_acc']}")
     window, tokens, tic = None, 0, time.perf_counter()
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -245,7 +247,8 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
             "target": cfg.target, "steps": cfg.steps, "trained_on": describe(),
             "held_out_depth_acc": final["depth_acc"], "config": cfg.to_dict()}
     save_draft(os.path.join(out, "draft.npz"), jax.device_get(state["trainable"]), meta)
-    plot(metrics.records, os.path.join(out, "loss.png"))
+    if not plot(metrics.records, os.path.join(out, "loss.png")):
+        say("no loss.png: matplotlib is not installed (pip install matplotlib)")
     mngr.close()
     return {"records": metrics.records, "trainable": jax.device_get(state["trainable"])}
 
