@@ -7,25 +7,21 @@ import pytest
 
 from s3djax import cache as kv
 from s3djax import model
-from s3djax.config import ModelConfig
 from s3djax.skip_plan import SkipPlan
 from s3djax.spec import tree as trees
 from s3djax.spec.draft_params import init_draft
 from s3djax.spec.drafters.s3d import S3DDrafter
 from train import objectives as ob
+from tiny import LLAMA, PHI3, random_params
 from train.trainable import assemble, init_trainable
 
-LLAMA = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=12, rope_theta=500.0)
-PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size=72, num_layers=4, num_heads=5,
-                   num_kv_heads=1, head_dim=8, rope_theta=700.0)
 PLAN = SkipPlan.skipping_layers(4, [1, 2])
 T, GAMMA = 24, 3
 ANCHORS = jnp.array([[5, 11, 17]])
 
 
 def setup(config, seed=0):
-    params = jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
+    params = random_params(config, seed)
     draft = init_draft(params, config, PLAN, lora_rank=2, key=jax.random.key(seed + 1))
     keys = iter(jax.random.split(jax.random.key(seed + 2), 100))
     draft = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(next(keys), a.shape), draft)

@@ -10,8 +10,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import monitoring
 
-from s3djax import model
-from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
 from s3djax.spec import tree as trees
@@ -19,17 +17,9 @@ from s3djax.spec.draft_params import init_draft, load_draft, save_draft
 from s3djax.spec.drafters.s3d import S3DDrafter
 from s3djax.spec.loop import SpecDecoder
 from s3djax.spec.tree import TreeSpec
+from tiny import LLAMA, PHI3, random_params
 
-LLAMA = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=4, num_heads=4,
-                    num_kv_heads=2, head_dim=12, rope_theta=500.0)
-PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size=72, num_layers=4, num_heads=5,
-                   num_kv_heads=1, head_dim=8, rope_theta=700.0)
 CACHE = 96
-
-
-def random_params(config, seed):
-    # Scaled up from init's 0.02 so that argmaxes depend on the weights (a flat model repeats one token).
-    return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
 
 
 def perturbed_draft(params, config, plan, seed):

@@ -1,4 +1,5 @@
-"""A tiny random Llama over SmolLM2's vocabulary, so training tests run on real ShareGPT tokens in seconds."""
+"""Small random models for tests: Llama and Phi-3 shapes, and a tiny Llama over SmolLM2's vocabulary so
+training tests run on real ShareGPT tokens in seconds."""
 
 import jax
 
@@ -6,14 +7,22 @@ from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.loading import LoadedModel
 
+LLAMA = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=12, rope_theta=500.0)
+PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size=72, num_layers=4, num_heads=5,
+                   num_kv_heads=1, head_dim=8, rope_theta=700.0)
 TINY = ModelConfig(arch="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                    num_kv_heads=2, head_dim=8, rope_theta=10000.0)
 
 
+def random_params(config: ModelConfig, seed: int) -> dict:
+    # Scaled up from init's 0.02 so that argmaxes depend on the weights (a flat model repeats one
+    # token) and a draft has something to distil.
+    return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
+
+
 def tiny_model() -> LoadedModel:
-    # Scaled up from init's 0.02 so that logits are far from uniform and there is something to distil.
-    params = jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(TINY, jax.random.key(0)))
-    return LoadedModel("tiny", TINY, params, None, 0.0)
+    return LoadedModel("tiny", TINY, random_params(TINY, 0), None, 0.0)
 
 
 def tiny_config(data: str, out: str, **overrides):

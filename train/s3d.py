@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from infer.cli import Parser, run
 from s3djax.errors import UserError
@@ -92,20 +93,23 @@ def summarize(sums: dict) -> dict:
 
 
 class Metrics:
-    """metrics.jsonl; on resume, records past the restored step are dropped so the log stays one run."""
+    """metrics.jsonl; on resume, records past the restored step are dropped so the log stays one run.
+    Only the first process of a multi-host job writes files."""
 
     def __init__(self, path: str, resume_step: int):
-        self.path, self.records = path, []
+        self.path, self.records, self.writer = path, [], jax.process_index() == 0
         if os.path.exists(path):
             with open(path) as f:
                 self.records = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= resume_step]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        if self.writer:
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
 
     def write(self, record: dict) -> None:
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.writer:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
 def check_resumable(cfg: TrainConfig, out: str) -> None:
@@ -246,11 +250,15 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
     meta = {"model": m.name, "skip": plan.spec(), "gamma": cfg.gamma, "mode": cfg.mode, "lora_rank": cfg.lora_rank,
             "target": cfg.target, "steps": cfg.steps, "trained_on": describe(),
             "held_out_depth_acc": final["depth_acc"], "config": cfg.to_dict()}
-    save_draft(os.path.join(out, "draft.npz"), jax.device_get(state["trainable"]), meta)
-    if not plot(metrics.records, os.path.join(out, "loss.png")):
-        say("no loss.png: matplotlib is not installed (pip install matplotlib)")
     mngr.close()
-    return {"records": metrics.records, "trainable": jax.device_get(state["trainable"])}
+    # Multi-host FSDP arrays are not all addressable here: gather them (every process must take part).
+    trained = (multihost_utils.process_allgather(state["trainable"]) if jax.process_count() > 1
+               else jax.device_get(state["trainable"]))
+    if metrics.writer:
+        save_draft(os.path.join(out, "draft.npz"), trained, meta)
+        if not plot(metrics.records, os.path.join(out, "loss.png")):
+            say("no loss.png: matplotlib is not installed (pip install matplotlib)")
+    return {"records": metrics.records, "trainable": trained}
 
 
 def main(argv=None):
