@@ -26,7 +26,8 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-cache-len", type=int, default=2048)
-    p.add_argument("--attention", choices=("xla",), default="xla")
+    p.add_argument("--attention", choices=("xla", "pallas"), default="xla",
+                   help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: slow)")
     p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s plan '
                    "for s3d (default: about half, around the middle), the whole model's for ar (default: none)")
     p.add_argument("--draft", help="trained draft file (.npz) for s3d; default: the model's shipped draft; "

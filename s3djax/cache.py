@@ -6,6 +6,8 @@ writes nodes of equal depth, i.e. equal position, into different slots.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -27,7 +29,30 @@ def write(layer_cache: dict, k, v, slots) -> dict:
     return {"k": put(layer_cache["k"], k, slots), "v": put(layer_cache["v"], v, slots)}
 
 
+class PrefixTreeMask(NamedTuple):
+    """The mask of every decode-time step: the T new tokens sit at slots lengths[b] .. lengths[b]+T-1,
+    and each sees every slot below lengths[b] plus the new tokens its row of `tree` allows.
+
+    The Pallas kernel takes it as is (a run-time length, a T x T mask); XLA attention expands it.
+    """
+    lengths: jax.Array  # [B] int32
+    tree: jax.Array     # [B, T, T] bool
+
+    def dense(self, max_len: int):
+        """[B, T, S] bool over the cache slots."""
+        b, t, _ = self.tree.shape
+        rel = jnp.arange(max_len)[None, :] - self.lengths[:, None]                  # [B, S]
+        cols = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, max_len))
+        new = jnp.take_along_axis(self.tree, cols, axis=2) & ((rel >= 0) & (rel < t))[:, None, :]
+        return (rel < 0)[:, None, :] | new
+
+
+def causal(slots, num_new: int) -> PrefixTreeMask:
+    """New token t (at slot slots[b] + t) sees every slot up to and including its own."""
+    tri = jnp.tril(jnp.ones((num_new, num_new), bool))
+    return PrefixTreeMask(slots, jnp.broadcast_to(tri, (slots.shape[0], num_new, num_new)))
+
+
 def causal_mask(slots, num_new: int, max_len: int):
-    """[B, T, S]: new token t (at slot slots[b] + t) sees every slot up to and including its own."""
-    own = slots[:, None] + jnp.arange(num_new)[None, :]
-    return jnp.arange(max_len)[None, None, :] <= own[:, :, None]
+    """`causal` as a dense [B, T, S] mask (prefill, whose T is the whole prompt bucket)."""
+    return causal(slots, num_new).dense(max_len)

@@ -11,7 +11,7 @@ import numpy as np
 from s3djax.errors import UserError
 
 ARCHITECTURES = ("llama", "phi3")
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

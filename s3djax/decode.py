@@ -75,7 +75,7 @@ class ARDecoder:
         def body(s):
             slots = s["length"]
             hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots,
-                                       kv.causal_mask(slots, 1, kv.cache_len(s["cache"])))
+                                       kv.causal(slots, 1))
             key, sub = jax.random.split(s["key"])
             nxt = sample(model.logits(params, hidden[:, 0]), sub, self.sampling)
             nxt = jnp.where(s["done"], self.pad_id, nxt)

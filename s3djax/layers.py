@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from s3djax.cache import PrefixTreeMask
+
 # A large finite negative instead of -inf: a fully masked row (padding) then gives a uniform
 # softmax instead of NaNs that would poison the cache through later layers.
 MASKED = -1e30
@@ -34,14 +36,22 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
-def attend(q, k, v, mask):
+def attend(q, k, v, mask, new=None, impl: str = "xla"):
     """Grouped-query attention of new queries over the whole cache buffer.
 
-    q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] bool (True: may attend). Returns [B, T, H*D].
+    q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] bool (True: may attend), or a
+    `PrefixTreeMask`, which `impl="pallas"` hands to the tree-attention kernel together with the
+    new tokens' own K/V `new` = (k, v) [B, T, K, D]. Returns [B, T, H*D].
     A KV head's query group is folded into the rows of one matmul ([G*T, D] x [D, S]), which XLA
     runs faster than a batched matmul over a separate group axis.
     """
     b, t, h, d = q.shape
+    if isinstance(mask, PrefixTreeMask):
+        if impl == "pallas":
+            from pallas_kernels.tree_attention import tree_attention
+
+            return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
+        mask = mask.dense(k.shape[1])
     kv_heads = k.shape[2]
     g = h // kv_heads
     q = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)

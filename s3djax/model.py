@@ -51,7 +51,8 @@ def attention_block(p, lora, x, cos, sin, layer_cache, slots, mask, config: Mode
     k = apply_rope(k.reshape(b, t, config.num_kv_heads, config.head_dim), cos, sin)
     v = v.reshape(b, t, config.num_kv_heads, config.head_dim)
     layer_cache = kv.write(layer_cache, k, v, slots)
-    out = attend(q, layer_cache["k"], layer_cache["v"], mask)
+    new = (k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype))
+    out = attend(q, layer_cache["k"], layer_cache["v"], mask, new, config.attention)
     return x + _linear(p, lora, "o", out), layer_cache
 
 

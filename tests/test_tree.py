@@ -55,7 +55,7 @@ def test_resolve_errors():
 
 def test_tree_mask_sees_prefix_and_ancestors_only():
     length, s = 5, 16
-    mask = np.asarray(tree_mask(jnp.asarray([length]), SMALL, s))[0]
+    mask = np.asarray(tree_mask(jnp.asarray([length]), SMALL).dense(s))[0]
     for i in range(SMALL.num_nodes):
         expected = [slot < length or (slot - length < SMALL.num_nodes and SMALL.ancestors[i, slot - length])
                     for slot in range(s)]

@@ -11,17 +11,15 @@ import jax
 import jax.numpy as jnp
 
 from s3djax import model
+from s3djax.cache import PrefixTreeMask
 from s3djax.config import ModelConfig
 from s3djax.spec.tree import TreeSpec
 
 
-def tree_mask(length, tree: TreeSpec, max_len: int):
-    """[B, N, S]: the committed prefix, plus each node's ancestors (itself included) in the scratch slots."""
-    rel = jnp.arange(max_len)[None, :] - length[:, None]  # [B, S]
+def tree_mask(length, tree: TreeSpec) -> PrefixTreeMask:
+    """The committed prefix, plus each node's ancestors (itself included) in the scratch slots."""
     anc = jnp.asarray(tree.ancestors)
-    in_tree = (rel >= 0) & (rel < tree.num_nodes)
-    tree_part = jnp.take(anc, jnp.clip(rel, 0, tree.num_nodes - 1), axis=1)  # [N, B, S]
-    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part.transpose(1, 0, 2))
+    return PrefixTreeMask(length, jnp.broadcast_to(anc, (length.shape[0],) + anc.shape))
 
 
 def greedy_accept(tokens, target, valid, tree: TreeSpec):
@@ -43,7 +41,7 @@ def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tr
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
     depths = jnp.asarray(tree.node_depths)
     positions = length[:, None] + depths[None]
-    mask = tree_mask(length, tree, cache[0]["k"].shape[1])
+    mask = tree_mask(length, tree)
     hidden, cache = model.forward(params, tokens, positions, cache, length, mask, config=config)
     target = jnp.argmax(model.logits(params, hidden), axis=-1).astype(jnp.int32)
     accepted = greedy_accept(tokens, target, jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], 1), tree)

@@ -34,7 +34,7 @@ class S3DDrafter:
         first = params["embed"][last][:, None]
         masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
         positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]
-        mask = kv.causal_mask(length, self.gamma, kv.cache_len(cache))
+        mask = kv.causal(length, self.gamma)
         hidden, cache = model.forward(params, None, positions, cache, length, mask, config=self.config,
                                       plan=self.plan, embeds=jnp.concatenate([first, masks], axis=1),
                                       lora=draft.get("lora"))

@@ -1,0 +1,113 @@
+"""The Pallas tree-attention kernel against its jnp reference (interpret mode on CPU, native on a GPU)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import monitoring
+
+from pallas_kernels.tree_attention import choose_blocks, reference, tree_attention
+from s3djax.spec import tree as trees
+from s3djax.spec.tree import TreeSpec
+
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs and output rounded, math in fp32
+
+
+def inputs(b, t, heads, kv_heads, d, s, dtype, seed, tree=None):
+    ks = jax.random.split(jax.random.key(seed), 7)
+    q = jax.random.normal(ks[0], (b, t, heads, d), dtype)
+    kc, vc = (jax.random.normal(k, (b, s, kv_heads, d), dtype) for k in ks[1:3])
+    kn, vn = (jax.random.normal(k, (b, t, kv_heads, d), dtype) for k in ks[3:5])
+    if tree is None:  # a random mask that, like every real one, lets a node see itself
+        tree = jax.random.bernoulli(ks[5], 0.4, (b, t, t)) | jnp.eye(t, dtype=bool)[None]
+    return q, kc, vc, kn, vn, tree
+
+
+def check(b, t, heads, kv_heads, d, s, lengths, dtype=jnp.float32, seed=0, tree=None, **kw):
+    q, kc, vc, kn, vn, tree = inputs(b, t, heads, kv_heads, d, s, dtype, seed, tree)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    got = tree_attention(q, kc, vc, lengths, kn, vn, tree, **kw)
+    want = reference(q, kc, vc, lengths, kn, vn, tree)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+
+
+class TestTreeAttention:
+    """Run in interpret mode on CPU; on a GPU the same class runs the native kernel."""
+
+    @pytest.mark.parametrize("t", [1, 4, 16, 64])
+    @pytest.mark.parametrize("group", [1, 3, 4])
+    def test_query_counts_and_gqa_ratios(self, t, group):
+        s = 300  # not a multiple of the 128-key block; lengths cover 0, mid-block, and the last slot that fits
+        check(2, t, 2 * group, 2, 64, s, [0, s - t] if t < s else [0, 0], seed=t * 10 + group)
+        check(1, t, 2 * group, 2, 64, s, [129], seed=t + group)
+
+    @pytest.mark.parametrize("d", [64, 96, 128])
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+    def test_head_dims_and_dtypes(self, d, dtype):
+        check(2, 5, 9, 3, d, 516, [17, 511], dtype=dtype, seed=d)
+
+    @pytest.mark.parametrize("name", ["tree-8", "tree-16", "tree-64"])
+    def test_real_tree_masks(self, name):
+        spec = trees.resolve(name, 4)
+        tree = jnp.broadcast_to(jnp.asarray(spec.ancestors), (2,) + spec.ancestors.shape)
+        check(2, spec.num_nodes, 9, 3, 64, 1024, [1, 700], tree=tree)
+        chain = TreeSpec.chain(4)
+        check(1, chain.num_nodes, 9, 3, 64, 256, [100], tree=jnp.asarray(chain.ancestors)[None])
+
+    @pytest.mark.parametrize("block_k, splits", [(16, 1), (16, 5), (64, 3), (128, 16)])
+    def test_every_block_and_split_choice(self, block_k, splits):
+        check(1, 4, 4, 2, 64, 200, [199 - 4], block_k=block_k, splits=splits)
+        check(1, 4, 4, 2, 64, 200, [3], block_k=block_k, splits=splits)
+
+    def test_every_output_element_is_written(self):
+        q, kc, vc, kn, vn, tree = inputs(1, 8, 4, 2, 64, 512, jnp.float32, 3)
+        # Lengths that leave most splits without a block: they must still write their (empty) partials.
+        for length in (0, 5, 300):
+            out = tree_attention(q, kc, vc, jnp.asarray([length]), kn, vn, tree, splits=8, poison=True)
+            assert np.isfinite(np.asarray(out)).all()
+            np.testing.assert_allclose(out, reference(q, kc, vc, jnp.asarray([length]), kn, vn, tree), atol=2e-5)
+
+    def test_a_new_prefix_length_compiles_nothing(self):
+        compiles = []
+        monitoring.register_event_duration_secs_listener(
+            lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+            else None)
+        q, kc, vc, kn, vn, tree = inputs(1, 4, 4, 2, 64, 256, jnp.float32, 4)
+        tree_attention(q, kc, vc, jnp.asarray([10]), kn, vn, tree).block_until_ready()
+        warm = len(compiles)
+        for length in (0, 64, 200, 252):
+            tree_attention(q, kc, vc, jnp.asarray([length]), kn, vn, tree).block_until_ready()
+        assert len(compiles) == warm
+
+
+def test_block_choice_fits_the_buffer():
+    for s in (16, 100, 516, 2048, 8192):
+        block_k, splits = choose_blocks(s, 64)
+        assert block_k <= s and block_k & (block_k - 1) == 0 and splits >= 1
+
+
+@pytest.mark.parametrize("tree_name, gamma", [("chain", 4), ("tree-16", 4)])
+def test_the_engine_is_lossless_with_pallas_attention(tree_name, gamma):
+    from s3djax.decode import ARDecoder, Runner
+    from s3djax.skip_plan import SkipPlan
+    from s3djax.spec.draft_params import init_draft
+    from s3djax.spec.drafters.s3d import S3DDrafter
+    from s3djax.spec.loop import SpecDecoder
+    from tiny import LLAMA, random_params
+
+    params = random_params(LLAMA, 1)
+    plan = SkipPlan.parse("1-2", 4)
+    draft = init_draft(params, LLAMA, plan)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    outputs = {}
+    for impl in ("xla", "pallas"):
+        config = dataclasses.replace(LLAMA, attention=impl)
+        ar = ARDecoder(config, 96, eos_ids=())
+        spec = SpecDecoder.create(ar, S3DDrafter(config, plan, trees.resolve(tree_name, gamma), gamma))
+        outputs[impl, "ar"] = Runner(ar, params).generate(prompt, 30).tokens
+        outputs[impl, "s3d"] = Runner(spec, (params, draft)).generate(prompt, 30).tokens
+    assert len(set(map(tuple, outputs.values()))) == 1, outputs
