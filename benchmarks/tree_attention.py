@@ -1,0 +1,88 @@
+"""The Pallas tree-attention kernel against the XLA path (and tokamax where installed), one process.
+
+    python -m benchmarks.tree_attention [--quick]
+
+Shapes: SmolLM2 (9 query / 3 KV heads, head_dim 64) and 7B-class (32 / 32, head_dim 128), cache
+lengths 512-8192, T in {1, 16, 64}, bf16, the prefix filling the cache but for the T new slots.
+Bandwidth counts each K/V byte of the prefix read once, against a measured device copy.
+On CPU the kernel runs in interpret mode: the table then checks the script, not the kernel's speed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import report
+from infer.cli import Parser, run
+
+
+def median_us(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e6)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    x = jnp.ones((64 * 2**20,), jnp.float32)
+    us = median_us(jax.jit(lambda a: a + 1), x, repeats=repeats)
+    return 2 * x.nbytes / (us * 1e-6)  # read + write
+
+
+def main():
+    p = Parser(prog="python -m benchmarks.tree_attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="two small shapes (a CPU check of the script)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+
+    from pallas_kernels.tree_attention import tree_attention
+    from s3djax import device
+    from s3djax.cache import PrefixTreeMask
+    from s3djax.layers import attend
+
+    models = {"smollm2 (9/3 heads, d64)": (9, 3, 64), "7B-class (32/32 heads, d128)": (32, 32, 128)}
+    lengths, ts = ([512, 2048], [1, 16]) if args.quick else ([512, 2048, 4096, 8192], [1, 16, 64])
+    if args.quick:
+        models = {"smollm2 (9/3 heads, d64)": models["smollm2 (9/3 heads, d64)"]}
+    def xla(q, kc, vc, length, kn, vn, tree):  # what the model runs with attention="xla"
+        return attend(q, kc, vc, PrefixTreeMask(length, tree), (kn, vn), "xla")
+
+    peers = {"xla": jax.jit(xla), "pallas": tree_attention}
+    try:
+        import tokamax  # noqa: F401  (a dense-mask peer where installed)
+    except ImportError:
+        tokamax = None
+    bw = copy_bandwidth(args.repeats)
+    lines = ["# Tree attention: Pallas kernel vs XLA, bf16", "", f"- device: {device.describe()}",
+             f"- date: {datetime.date.today().isoformat()}", f"- measured copy bandwidth: {bw / 1e9:.1f} GB/s",
+             f"- tokamax: {'installed' if tokamax else 'not installed (no dense-mask peer)'}", "",
+             "| shape | cache | T | XLA µs | Pallas µs | speed-up | Pallas GB/s | of copy bandwidth |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, (heads, kv_heads, d) in models.items():
+        for s in lengths:
+            for t in ts:
+                ks = jax.random.split(jax.random.key(s + t), 5)
+                q = jax.random.normal(ks[0], (1, t, heads, d), jnp.bfloat16)
+                kc, vc = (jax.random.normal(k, (1, s, kv_heads, d), jnp.bfloat16) for k in ks[1:3])
+                kn, vn = (jax.random.normal(k, (1, t, kv_heads, d), jnp.bfloat16) for k in ks[3:5])
+                tree = jnp.tril(jnp.ones((1, t, t), bool))
+                length = jnp.asarray([s - t], jnp.int32)
+                us = {k: median_us(f, q, kc, vc, length, kn, vn, tree, repeats=args.repeats) for k, f in peers.items()}
+                moved = 2 * (s - t) * kv_heads * d * 2  # K and V of the prefix, bf16
+                rate = moved / (us["pallas"] * 1e-6)
+                lines.append(f"| {name} | {s} | {t} | {us['xla']:.0f} | {us['pallas']:.0f} | "
+                             f"{us['xla'] / us['pallas']:.2f}x | {rate / 1e9:.1f} | {rate / bw:.0%} |")
+    report.write(args.out, "tree_attention" + ("_quick" if args.quick else ""), "\n".join(lines))
+
+
+if __name__ == "__main__":
+    run(main)
