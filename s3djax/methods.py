@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s3djax.decode import ARDecoder
 from s3djax import registry
+from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel
 from s3djax.sampling import Sampling
@@ -50,8 +50,9 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
 
     if gamma < 1:
         raise UserError(f"--gamma must be at least 1, got {gamma}")
-    if draft_path is None and m.name in registry.entries():
-        draft_path = registry.lookup(m.name).draft_path()
+    entry = registry.entries().get(m.name)
+    if draft_path is None and entry:
+        draft_path = entry.draft_path()
     draft, meta = load_draft(draft_path, m.config, DTYPES[dtype]) if draft_path not in (None, "none") else (None, {})
     if plan is None:  # a trained draft brings the plan it was trained with
         plan = SkipPlan.parse(meta["skip"], m.config.num_layers) if meta.get("skip") else \

@@ -2,8 +2,20 @@ import os
 import warnings
 
 import pytest
+from jax import monitoring
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+_COMPILES = []
+monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration"
+    else None)
+
+
+@pytest.fixture
+def compiles():
+    """How many XLA backend compilations have run so far: a test compares it before and after."""
+    return lambda: len(_COMPILES)
 
 
 @pytest.fixture(scope="session")

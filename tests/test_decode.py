@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax import monitoring
 
 from s3djax import cache as kv
 from s3djax import model
@@ -79,19 +78,15 @@ def test_skip_plan_decodes_the_skipped_model(tiny_params):
     assert got == naive_greedy(dropped, TINY.replace(num_layers=2), [4, 2], 8)
 
 
-def test_compiles_once_across_prompt_lengths_and_token_budgets(tiny_params):
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+def test_compiles_once_across_prompt_lengths_and_token_budgets(tiny_params, compiles):
     runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
     runner.generate([1, 2, 3], 5)                     # compiles start (bucket 16) and decode
-    warm = len(compiles)
+    warm = compiles()
     runner.generate(list(range(1, 12)), 9, on_tokens=lambda t: None, chunk=3)  # same bucket, streamed
     runner.generate([4, 5], 2, seed=3)
-    assert len(compiles) == warm, "a prompt in the same bucket or another token budget recompiled"
+    assert compiles() == warm, "a prompt in the same bucket or another token budget recompiled"
     runner.generate(list(range(1, 20)), 4)            # bucket 32: only the prefill compiles
-    assert len(compiles) == warm + 1
+    assert compiles() == warm + 1
     assert bucket(19, 64) == 32 and bucket(3, 64) == 16 and bucket(60, 64) == 64
 
 

@@ -30,7 +30,8 @@ def setup(config, seed=0):
 
 
 def training_blocks(params, draft, tokens, config, context=None):
-    _, context = ob.context_pass(params, tokens, config=config) if context is None else (None, context)
+    if context is None:
+        context = ob.context_pass(params, tokens, config=config)[1]
     return ob.block_logits(params, draft, context, tokens, ANCHORS, config=config, plan=PLAN, gamma=GAMMA)
 
 

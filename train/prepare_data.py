@@ -162,6 +162,7 @@ def prepare(model: str, out: str, *, source: str | None = None, max_len: int = 1
     records, truncated = read_records(source, limit)
     if not records:
         raise UserError(f"{source} holds no complete conversation records")
+    # Turns go in as JSON text: their fields vary between records, which Arrow would reject or pad.
     ds = datasets.Dataset.from_list([{"id": str(r.get("id", i)) if isinstance(r, dict) else str(i),
                                       "conversations": json.dumps(r.get("conversations") if isinstance(r, dict) else None)}
                                      for i, r in enumerate(records)])

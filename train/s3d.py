@@ -183,7 +183,8 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
 
     trainable = init_trainable(m.params, m.config, plan, cfg.mode, cfg.lora_rank, jax.random.key(cfg.seed))
     trainable = jax.tree.map(lambda x: x.astype(jnp.float32), trainable)
-    state = place({"trainable": trainable, "opt_state": optimizer(cfg)[0].init(trainable),
+    tx, lr = optimizer(cfg)
+    state = place({"trainable": trainable, "opt_state": tx.init(trainable),
                    "micro_step": jnp.zeros((), jnp.int32)})
     frozen = place(jax.tree.map(lambda x: x.astype(trainer.dtype), m.params))
 
@@ -194,7 +195,6 @@ def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
     metrics = Metrics(os.path.join(out, "metrics.jsonl"), start)
-    lr = optimizer(cfg)[1]
 
     def evaluate(step):
         total = None
