@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
+import time
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 def write(out_dir: str, name: str, table: str) -> str:
@@ -18,3 +22,20 @@ def write(out_dir: str, name: str, table: str) -> str:
         f.write(table + "\n")
     print(f"wrote {path}", file=sys.stderr)
     return path
+
+
+def median_us(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e6)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes per second of a device-memory copy (read + write): the ceiling a bandwidth-bound step is held to."""
+    x = jnp.ones((64 * 2**20,), jnp.float32)
+    us = median_us(jax.jit(lambda a: a + 1), x, repeats=repeats)
+    return 2 * x.nbytes / (us * 1e-6)

@@ -11,30 +11,13 @@ On CPU the kernel runs in interpret mode: the table then checks the script, not 
 from __future__ import annotations
 
 import datetime
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import report
+from benchmarks.report import copy_bandwidth, median_us
 from infer.cli import Parser, run
-
-
-def median_us(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times) * 1e6)
-
-
-def copy_bandwidth(repeats: int) -> float:
-    x = jnp.ones((64 * 2**20,), jnp.float32)
-    us = median_us(jax.jit(lambda a: a + 1), x, repeats=repeats)
-    return 2 * x.nbytes / (us * 1e-6)  # read + write
 
 
 def main():

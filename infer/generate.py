@@ -26,6 +26,11 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-cache-len", type=int, default=2048)
+    p.add_argument("--quant", choices=("none", "int8", "int8-all"),
+                   help="weight-only int8: the layers' linears (int8) or those plus embedding and LM head "
+                   "(int8-all), quantized on load; default: as the checkpoint stores them")
+    p.add_argument("--matmul", choices=("xla", "pallas"), default="xla",
+                   help="int8 matmul: XLA's fused convert, or the Pallas kernel (interpret mode on CPU: slow)")
     p.add_argument("--attention", choices=("xla", "pallas"), default="xla",
                    help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: slow)")
     p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s plan '
@@ -87,13 +92,14 @@ class TextStream:
 def main(argv=None):
     args = parse_args(argv)
     prompt = read_prompt(args)
-    from s3djax import device, methods
+    from s3djax import device, methods, quant
     from s3djax.decode import Runner
     from s3djax.loading import load_model
     from s3djax.sampling import Sampling
     from s3djax.tokenizer import encode_prompt
 
-    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention)
+    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
+                   quantization=args.quant, matmul=args.matmul)
     built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip,
                           sampling=Sampling(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
                           tree=args.tree, draft_path=args.draft)
@@ -109,10 +115,11 @@ def main(argv=None):
     text = tok.decode(result.tokens, skip_special_tokens=True)
     if stream:
         print(flush=True)
-    dev = device.describe()
+    dev, param_bytes, peak = device.describe(), quant.param_bytes(built.params), device.peak_bytes()
+    memory = f"params {param_bytes / 2**20:.0f} MiB ({m.quant})" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
     print(f"[{args.method}] prompt {result.prompt_tokens} tokens, {len(result.tokens)} new tokens, "
           f"{result.tokens_per_s:.1f} tokens/s decode, time to first token {result.ttft_s * 1000:.0f} ms, "
-          f"compile {result.compile_s:.1f} s (apart) on {dev}", file=sys.stderr)
+          f"compile {result.compile_s:.1f} s (apart); {memory}; on {dev}", file=sys.stderr)
     if result.stats:
         st = result.stats
         print(f"[{args.method}] tau {st['mean_accepted_tokens']:.2f} tokens per verify step (bonus included), "
@@ -130,7 +137,7 @@ def main(argv=None):
         print(json.dumps(dict(text=text, prompt_tokens=result.prompt_tokens, new_tokens=len(result.tokens),
                               tokens_per_s=round(result.tokens_per_s, 3), ttft_s=round(result.ttft_s, 4),
                               compile_s=round(result.compile_s, 3), device=dev, method=args.method,
-                              **result.stats)))
+                              quant=m.quant, param_bytes=param_bytes, peak_device_bytes=peak, **result.stats)))
 
 
 if __name__ == "__main__":

@@ -18,3 +18,9 @@ def describe() -> str:
             pass
         return f"CPU: {name}, {os.cpu_count()} cores (jax {jax.__version__})"
     return f"{dev.platform.upper()}: {dev.device_kind} (jax {jax.__version__})"
+
+
+def peak_bytes() -> int | None:
+    """The accelerator's peak allocated bytes so far, or None where the backend keeps no statistics (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax.numpy as jnp
 
-from s3djax import registry, tokenizer, weights
+from s3djax import quant, registry, tokenizer, weights
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 
@@ -24,6 +24,11 @@ class LoadedModel:
     params: dict
     tokenizer: object
     load_s: float
+    matmul: str = "xla"  # the int8 matmul, for weights quantized after loading (a full-mode draft's layers)
+
+    @property
+    def quant(self) -> str:
+        return quant.mode_of(self.params)
 
 
 def _with_progress(get, total: int, label: str, show: bool):
@@ -72,14 +77,17 @@ def load_tokenizer(name_or_path: str, checkpoint: str | None = None):
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
-               attention: str = "xla", progress: bool = True) -> LoadedModel:
+               attention: str = "xla", quantization: str | None = None, matmul: str = "xla",
+               progress: bool = True) -> LoadedModel:
     """`name_or_path`: a registry name, a .gguf file, or a Hugging Face checkpoint folder.
 
     Registry shapes without a shipped file (llama-2-7b, ...) need `checkpoint`, and the folder is
-    checked against the shape.
+    checked against the shape. `quantization` (a `quant.MODES` name) converts weights as they are
+    read; None keeps them as stored. `matmul` picks the int8 matmul (`quant.KERNELS`).
     """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    quant.check_mode(quantization or "none", matmul)
     start = time.perf_counter()
     entry, path = _resolve(name_or_path, checkpoint)
     label = entry.name if entry else os.path.basename(os.path.normpath(path))
@@ -97,7 +105,8 @@ def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | N
     if entry:
         entry.check_shape(config, path)
     config = config.replace(attention=attention)
-    params = weights.from_hf_tensors(_with_progress(get, weights.num_tensors(config), label, progress), config, DTYPES[dtype])
+    params = weights.from_hf_tensors(_with_progress(get, weights.num_tensors(config), label, progress), config,
+                                     DTYPES[dtype], quantization, matmul)
     tok = tok.result()
     pool.shutdown()
-    return LoadedModel(label, config, params, tok, time.perf_counter() - start)
+    return LoadedModel(label, config, params, tok, time.perf_counter() - start, matmul)

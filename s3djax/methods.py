@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s3djax import registry
+from s3djax import quant, registry
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel
@@ -63,6 +63,8 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
         warnings.append("no trained draft: using an untrained mask token, so acceptance will be low")
     elif "layers" in draft:  # a full-mode draft fine-tuned the kept layers: they verify too
         params = with_layers(m.params, draft.pop("layers"))
+        if m.quant != "none":  # the fine-tuned layers arrive in float
+            params = quant.apply(params, m.quant, DTYPES[dtype], m.matmul)
         warnings.append(f"{draft_path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
     spec_tree = trees.resolve(tree, gamma)

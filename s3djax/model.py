@@ -5,7 +5,7 @@
 
 Params: {"embed": [V, D], "layers": [per-layer dict], "final_norm": [D], "lm_head": [V, D] (absent
 when tied)}. Linear weights are [in, out]; Llama layers hold q/k/v/gate/up, Phi-3 layers the fused
-qkv and gate_up it ships with.
+qkv and gate_up it ships with. Any of them may be a `quant.Int8Weight`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from s3djax import cache as kv
+from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.layers import apply_rope, attend, rms_norm, rope_tables, swiglu
 from s3djax.skip_plan import SkipPlan
@@ -21,7 +22,7 @@ from s3djax.skip_plan import SkipPlan
 
 def _linear(p, lora, name, h):
     """h @ W, plus the low-rank update (h @ A) @ B where a draft adapter covers this weight."""
-    out = h @ p[name]
+    out = quant.dot(h, p[name])
     if lora and name in lora:
         out = out + (h @ lora[name]["a"]) @ lora[name]["b"]
     return out
@@ -72,7 +73,7 @@ def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfi
     their cache untouched.
     """
     plan = (plan or SkipPlan.full(config.num_layers)).check(config.num_layers)
-    x = params["embed"][tokens] if embeds is None else embeds
+    x = embed(params, tokens) if embeds is None else embeds
     cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
     lora = lora or [None] * config.num_layers
     new_cache = []
@@ -85,10 +86,13 @@ def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfi
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
 
 
+def embed(params, tokens):
+    return quant.take(params["embed"], tokens)
+
+
 def logits(params, hidden):
     """LM-head logits in fp32. The head is [V, D] like the embedding, so tied and untied read alike."""
-    head = params.get("lm_head", params["embed"])
-    return jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
+    return quant.head(hidden, params.get("lm_head", params["embed"]))
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:

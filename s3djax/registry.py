@@ -51,6 +51,10 @@ class ModelEntry:
     def draft_path(self) -> str | None:
         return os.path.join(CONFIG_DIR, self.draft) if self.draft else None
 
+    def config(self) -> ModelConfig:
+        """The registry shape as a model (random weights: benchmarks of 7B-class step times)."""
+        return ModelConfig(**{"head_dim": self.shape["hidden_size"] // self.shape["num_heads"], **self.shape})
+
     def check_shape(self, config: ModelConfig, source: str) -> None:
         wrong = {k: (v, getattr(config, k)) for k, v in self.shape.items() if getattr(config, k) != v}
         if wrong:

@@ -14,10 +14,12 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from s3djax import quant
 from s3djax.config import ModelConfig, RopeScaling
 from s3djax.errors import UserError
 
 _LAYER = "model.layers.{}."
+QUANT_METHOD = "s3djax-int8"
 _LLAMA_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                 "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
 _PHI3_LAYER = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
@@ -35,11 +37,21 @@ def num_tensors(config: ModelConfig) -> int:
     return 2 + (not config.tie_word_embeddings) + config.num_layers * per_layer
 
 
-def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype=jnp.float32) -> dict:
-    """Build params from a getter of Hugging Face-named tensors ([out, in] linears), one at a time."""
+def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype=jnp.float32,
+                    quantization: str | None = None, kernel: str = "xla") -> dict:
+    """Build params from a getter of Hugging Face-named tensors ([out, in] linears), one at a time.
+
+    quantization: None keeps each weight as the checkpoint stores it; a `quant.MODES` name converts
+    each tensor as it is read (quantize on load), so a float copy of the whole model never exists.
+    """
 
     def linear(name):  # HF stores [out, in]; we multiply x @ w with w [in, out]
-        return jnp.asarray(np.asarray(get(name + ".weight")).T, dtype)
+        w = get(name + ".weight").T
+        return quant.linear(w, quantization or ("int8" if isinstance(w, quant.Int8Weight) else "none"), dtype, kernel)
+
+    def table(name):
+        w = get(name + ".weight")
+        return quant.table(w, quantization or ("int8-all" if isinstance(w, quant.Int8Weight) else "none"), dtype, kernel)
 
     def vector(name):
         return jnp.asarray(get(name + ".weight"), dtype)
@@ -50,23 +62,56 @@ def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype
         layer = {ours: linear(prefix + theirs) for ours, theirs in _layer_linears(config).items()}
         layer.update({ours: vector(prefix + theirs) for ours, theirs in _NORMS.items()})
         layers.append(layer)
-    params = {"embed": vector("model.embed_tokens"), "layers": layers, "final_norm": vector("model.norm")}
+    params = {"embed": table("model.embed_tokens"), "layers": layers, "final_norm": vector("model.norm")}
     if not config.tie_word_embeddings:
-        params["lm_head"] = vector("lm_head")
+        params["lm_head"] = table("lm_head")
     return params
 
 
 def to_hf_tensors(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The inverse of `from_hf_tensors`, in fp32: for loading our weights into transformers."""
-    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
-    out = {"model.embed_tokens.weight": f32(params["embed"]), "model.norm.weight": f32(params["final_norm"])}
+    """The inverse of `from_hf_tensors`: float weights in fp32, int8 ones as int8 `.weight` plus a
+    `.weight_scale` per output channel (the layout `open_hf_folder` reads back)."""
+    out = {}
+
+    def put(name, w, transpose=False):
+        if isinstance(w, quant.Int8Weight):
+            w = w.T if transpose else w
+            out[name + ".weight"], out[name + ".weight_scale"] = np.asarray(w.values), np.asarray(w.scale)
+        else:
+            w = np.asarray(jnp.asarray(w, jnp.float32))
+            out[name + ".weight"] = w.T if transpose else w
+
+    put("model.embed_tokens", params["embed"])
+    put("model.norm", params["final_norm"])
     if "lm_head" in params:
-        out["lm_head.weight"] = f32(params["lm_head"])
+        put("lm_head", params["lm_head"])
     for i, layer in enumerate(params["layers"]):
         prefix = _LAYER.format(i)
-        out.update({f"{prefix}{theirs}.weight": f32(layer[ours]).T for ours, theirs in _layer_linears(config).items()})
-        out.update({f"{prefix}{theirs}.weight": f32(layer[ours]) for ours, theirs in _NORMS.items()})
+        for ours, theirs in _layer_linears(config).items():
+            put(prefix + theirs, layer[ours], transpose=True)
+        for ours, theirs in _NORMS.items():
+            put(prefix + theirs, layer[ours])
     return out
+
+
+def save_hf_folder(path: str, config: ModelConfig, params: dict, tokenizer) -> None:
+    """A checkpoint folder `open_hf_folder` reads: config.json, model.safetensors and the tokenizer.
+
+    Quantized params record themselves under `quantization_config`, as Hugging Face's quantized
+    checkpoints do; only s3djax reads this format.
+    """
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    hf = config.to_hf()
+    mode = quant.mode_of(params)
+    if mode != "none":
+        hf["quantization_config"] = {"quant_method": QUANT_METHOD, "mode": mode}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=1)
+    save_file({k: np.ascontiguousarray(v) for k, v in to_hf_tensors(params, config).items()},
+              os.path.join(path, "model.safetensors"))
+    tokenizer.save_pretrained(path)
 
 
 def open_hf_folder(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray]]:
@@ -78,7 +123,12 @@ def open_hf_folder(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray]]
     if not files:
         raise UserError(f"{path} has no *.safetensors weights (s3djax reads safetensors, not .bin)")
     with open(config_file) as f:
-        config = ModelConfig.from_hf(json.load(f))
+        hf = json.load(f)
+    method = (hf.get("quantization_config") or {}).get("quant_method", QUANT_METHOD)
+    if method != QUANT_METHOD:
+        raise UserError(f"{path} is quantized with {method!r}; s3djax reads float checkpoints and its own "
+                        f"int8 ({QUANT_METHOD}), and quantizes on load with --quant int8")
+    config = ModelConfig.from_hf(hf)
     from safetensors import safe_open
 
     # "flax" rather than "numpy": NumPy has no bfloat16, and most checkpoints are bf16.
@@ -88,7 +138,9 @@ def open_hf_folder(path: str) -> tuple[ModelConfig, Callable[[str], np.ndarray]]
     def get(name):
         if name not in where:
             raise UserError(f"checkpoint {path} lacks tensor {name}")
-        return where[name].get_tensor(name)
+        tensor = where[name].get_tensor(name)
+        scale = name + "_scale"  # an s3djax int8 weight: [out, in] values, a scale per output row
+        return quant.Int8Weight(tensor, where[scale].get_tensor(scale), axis=0) if scale in where else tensor
 
     if "lm_head.weight" not in where:
         config = config.replace(tie_word_embeddings=True)

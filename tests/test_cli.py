@@ -23,6 +23,8 @@ def test_json_output_on_the_real_model():
     assert set(out) >= {"text", "prompt_tokens", "new_tokens", "tokens_per_s", "compile_s", "device", "method"}
     assert "Paris" in out["text"] and out["method"] == "ar" and 1 <= out["new_tokens"] <= 32
     assert out["tokens_per_s"] > 0 and out["compile_s"] > 0 and out["device"].startswith("CPU")
+    assert out["quant"] == "none" and 500 * 2**20 < out["param_bytes"] < 560 * 2**20  # 135M fp32
+    assert out["peak_device_bytes"] is None  # the CPU backend keeps no memory statistics
     stats = [line for line in r.stderr.splitlines() if line.startswith("[ar]")]
     assert stats and "tokens/s decode" in stats[0] and "time to first token" in stats[0] and "compile" in stats[0]
 
@@ -41,6 +43,7 @@ def test_streams_text_from_stdin_prompt():
     (["--method", "beam"], "invalid choice: 'beam'"),
     (["--max-new-tokens", "0"], "--max-new-tokens: invalid value 0"),
     (["--dtype", "float8"], "invalid choice: 'float8'"),
+    (["--quant", "int4"], "invalid choice: 'int4'"),
     (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file"),
     (["--bogus-flag"], "unrecognized arguments"),
     (["--prompt-file", "/etc/hostname", "--prompt", "x"], "not allowed with argument"),

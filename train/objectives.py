@@ -48,7 +48,7 @@ def block_logits(params, draft, context_cache, tokens, anchors, *, config: Model
     """Draft logits [B, A, gamma, V] of every anchor's block, all blocks in one forward."""
     b, t = tokens.shape
     a = anchors.shape[1]
-    first = params["embed"][jnp.take_along_axis(tokens, anchors, axis=1)]                 # [B, A, D]
+    first = model.embed(params, jnp.take_along_axis(tokens, anchors, axis=1))                 # [B, A, D]
     rest = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, a, gamma - 1, first.shape[-1]))
     embeds = jnp.concatenate([first[:, :, None], rest], axis=2).reshape(b, a * gamma, -1)
     positions = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, a * gamma)

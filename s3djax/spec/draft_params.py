@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.skip_plan import SkipPlan
@@ -36,7 +37,8 @@ def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 
 
     Adapters go only on sub-layers the plan runs: the others never see a block token.
     """
-    draft = {"mask_embed": jnp.mean(params["embed"].astype(jnp.float32), axis=0).astype(params["embed"].dtype)}
+    table = quant.dequantize(params["embed"])
+    draft = {"mask_embed": jnp.mean(table.astype(jnp.float32), axis=0).astype(table.dtype)}
     if lora_rank:
         key = jax.random.key(0) if key is None else key
         lora = []

@@ -31,7 +31,7 @@ class S3DDrafter:
         (slots < length) and itself causally, at every layer the plan keeps.
         """
         b = last.shape[0]
-        first = params["embed"][last][:, None]
+        first = model.embed(params, last)[:, None]
         masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
         positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]
         mask = kv.causal(length, self.gamma)

@@ -1,0 +1,122 @@
+"""int8 weights: the rounding, the forward on quantized params, save/load, and lossless S3D with an int8 verifier."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s3djax import model, quant, weights
+from s3djax import cache as kv
+from s3djax.decode import ARDecoder, Runner
+from s3djax.loading import load_model
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec import tree as trees
+from s3djax.spec.draft_params import init_draft
+from s3djax.spec.drafters.s3d import S3DDrafter
+from s3djax.spec.loop import SpecDecoder
+from tests.tiny import LLAMA, PHI3, random_params
+
+
+def test_rounding_is_symmetric_per_output_channel_and_within_half_a_step():
+    w = np.random.default_rng(0).normal(size=(48, 20)).astype(np.float32)
+    w[:, 3] = 0.0                    # an all-zero channel must not divide by zero
+    w[5, 7] = -4 * np.abs(w).max()   # an outlier widens only its own channel's step
+    q = quant.quantize(w, channel_axis=1)
+    assert q.values.dtype == np.int8 and q.scale.shape == (20,)
+    assert np.abs(q.values).max() == 127 and q.values[5, 7] == -127
+    err = np.abs(np.asarray(quant.dequantize(q)) - w)
+    assert (err <= q.scale / 2 + 1e-7).all() and (err[:, 3] == 0).all()
+    assert q.scale[3] == 1 and q.scale[7] > 3 * np.delete(q.scale, [3, 7]).max()
+    rows = quant.quantize(w.T, channel_axis=0)  # a [V, D] table: a scale per row
+    np.testing.assert_array_equal(rows.values, q.values.T)
+    np.testing.assert_array_equal(rows.scale, q.scale)
+
+
+def _forward_logits(params, config, tokens):
+    b, t = tokens.shape
+    cache = kv.init_cache(config, b, t, jnp.float32)
+    slots = jnp.zeros((b,), jnp.int32)
+    hidden, _ = model.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, slots,
+                              kv.causal_mask(slots, t, t), config=config)
+    return model.logits(params, hidden)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-all"])
+@pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
+def test_the_forward_reads_int8_as_the_float_model_of_its_dequantized_weights(config, mode):
+    params = random_params(config, 3)
+    q = quant.apply(params, mode, jnp.float32)
+    assert quant.mode_of(q) == mode
+    dequantized = jax.tree.map(quant.dequantize, q, is_leaf=lambda x: isinstance(x, quant.Int8Weight))
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    got, want = _forward_logits(q, config, tokens), _forward_logits(dequantized, config, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # and int8 is a real change, though a small one, from the original weights
+    original = _forward_logits(params, config, tokens)
+    assert 0 < np.abs(got - original).max() < 0.05 * np.abs(original).max()
+
+
+def test_the_pallas_kernel_and_xla_multiply_alike():
+    w = quant.quantize(np.random.default_rng(1).normal(size=(64, 48)).astype(np.float32), 1)
+    x = jax.random.normal(jax.random.key(2), (3, 5, 64))
+    xla = quant.dot(x, quant.linear(w, "int8", jnp.float32, "xla"))
+    pallas = quant.dot(x, quant.linear(w, "int8", jnp.float32, "pallas"))
+    np.testing.assert_allclose(pallas, xla, rtol=1e-5, atol=1e-5)
+
+
+def _ar_then_s3d(config, params, prompt, n):
+    ar = ARDecoder(config, 128, eos_ids=())
+    plan = SkipPlan.parse("1-2", config.num_layers)
+    drafter = S3DDrafter(config, plan, trees.resolve("tree-8", 4), 4)
+    draft = init_draft(params, config, plan, lora_rank=2)
+    want = Runner(ar, params).generate(prompt, n).tokens
+    got = Runner(SpecDecoder.create(ar, drafter), (params, draft)).generate(prompt, n)
+    return want, got
+
+
+@pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
+def test_s3d_is_lossless_against_its_int8_verifier(config):
+    params = quant.apply(random_params(config, 5), "int8-all", jnp.float32)
+    want, got = _ar_then_s3d(config, params, [3, 1, 4, 1, 5, 9, 2, 6], 40)
+    assert got.tokens == want and got.stats["verify_steps"] > 1
+
+
+def test_smollm2_quantized_on_load_saves_loads_back_and_decodes_losslessly(smollm2, tmp_path):
+    from infer.quantize import main as quantize_cli
+    from s3djax import methods
+    from s3djax.tokenizer import encode_prompt
+
+    quantize_cli(["--model", "smollm2-135m", "--quant", "int8", "--out", str(tmp_path / "int8")])
+    m = load_model(str(tmp_path / "int8"), progress=False)
+    assert m.quant == "int8" and isinstance(m.params["layers"][0]["q"], quant.Int8Weight)
+    # Quantized on load from the GGUF, saved and read back: equal to quantizing the float model.
+    want = quant.apply(smollm2.params, "int8", jnp.float32)
+    assert jax.tree.structure(m.params) == jax.tree.structure(want)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)))
+    assert m.tokenizer.encode("Hello there") == smollm2.tokenizer.encode("Hello there")
+    linears = sum(w.size for layer in smollm2.params["layers"] for k, w in layer.items() if k in quant.LINEARS)
+    assert quant.param_bytes(smollm2.params) - quant.param_bytes(m.params) > 2.9 * linears
+
+    ids = encode_prompt(m.tokenizer, "Name three primary colors.", chat_template=True)
+    ar = Runner(methods.build("ar", m, max_cache_len=128).decoder, m.params).generate(ids, 24)
+    s3d = methods.build("s3d", m, max_cache_len=128, draft_path=smollm2_draft())
+    got = Runner(s3d.decoder, s3d.params).generate(ids, 24)
+    assert got.tokens == ar.tokens and got.stats["verify_steps"] >= 1
+    assert "Red" in m.tokenizer.decode(ar.tokens)
+
+
+def smollm2_draft():
+    from s3djax import registry
+
+    return registry.lookup("smollm2-135m").draft_path()
+
+
+def test_a_foreign_quantized_checkpoint_is_refused(tmp_path):
+    import json
+
+    from s3djax.errors import UserError
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA.to_hf(), "quantization_config": {"quant_method": "gptq"}}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match="quantized with 'gptq'"):
+        weights.open_hf_folder(str(tmp_path))
