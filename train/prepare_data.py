@@ -109,6 +109,11 @@ def render(tokenizer, messages: list[dict], train_on: str) -> tuple[list[int], l
     return tokens, mask
 
 
+def conversation_id(record, index: int) -> str:
+    """The id the split hashes: the record's own, else its position in the file."""
+    return str(record.get("id", index)) if isinstance(record, dict) else str(index)
+
+
 def is_held_out(conversation_id: str, fraction: float) -> bool:
     digest = hashlib.sha1(conversation_id.encode()).digest()
     return int.from_bytes(digest[:4], "big") / 2**32 < fraction
@@ -163,7 +168,7 @@ def prepare(model: str, out: str, *, source: str | None = None, max_len: int = 1
     if not records:
         raise UserError(f"{source} holds no complete conversation records")
     # Turns go in as JSON text: their fields vary between records, which Arrow would reject or pad.
-    ds = datasets.Dataset.from_list([{"id": str(r.get("id", i)) if isinstance(r, dict) else str(i),
+    ds = datasets.Dataset.from_list([{"id": conversation_id(r, i),
                                       "conversations": json.dumps(r.get("conversations") if isinstance(r, dict) else None)}
                                      for i, r in enumerate(records)])
     dropped, skipped = collections.Counter(), collections.Counter()

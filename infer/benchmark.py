@@ -1,0 +1,313 @@
+"""`python -m infer.benchmark`: methods against `ar` on real prompt sets, in one process, with the S3D paper's metrics.
+
+    python -m infer.benchmark --methods ar,s3d,hf-ar --dataset mt-bench --limit 5 --out benchmarks/results/run
+
+Every method decodes the same prompts greedily on the same device. Compilation and a warm-up run
+come first; then each prompt runs every method in turn, the order rotating per prompt so that
+drift (clocks, caches, other load) falls on all of them alike. Writes DIR/results.json (every
+number), DIR/results.md (method x dataset, like the paper's Table 1), DIR/acceptance.png and
+DIR/speed.png.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from infer.cli import Parser, run
+
+DEFAULT_METHODS = "ar,s3d,hf-ar,hf-early-exit,hf-prompt-lookup"
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
+    p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated: ar (the baseline, always run), s3d, and the Hugging Face peers "
+                   "hf-ar, hf-early-exit, hf-prompt-lookup (skipped with a note where torch is missing)")
+    p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
+    p.add_argument("--mt-bench-turns", type=int, choices=(1, 2), default=1)
+    p.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-cache-len", type=int, default=2048, help="prompts that do not fit with the budget are skipped")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quant", choices=("none", "int8", "int8-all"))
+    p.add_argument("--matmul", choices=("xla", "pallas"), default="xla")
+    p.add_argument("--attention", choices=("xla", "pallas"), default="xla")
+    p.add_argument("--draft", help="s3d draft file (default: the model's shipped draft; 'none': untrained)")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--tree", default="chain")
+    p.add_argument("--skip", default="", help="the s3d draft's skip plan (default: the draft's own)")
+    p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
+    p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
+    args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"argument --limit: invalid value {args.limit}")
+    if args.max_new_tokens < 2:
+        p.error(f"argument --max-new-tokens: invalid value {args.max_new_tokens}")
+    args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
+    args.dataset = [d for d in args.dataset.split(",") if d]
+    return args
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def summarize(runs: list[dict], baseline: list[dict] | None, *, depth: int, memory_bytes: int,
+              baseline_memory_bytes: int) -> dict:
+    """Aggregate one method's runs over a dataset.
+
+    runs: per prompt {tokens, decode_s, ttft_s, accepted_per_step (speculative only)}, in the order
+    of `baseline` (ar's runs on the same prompts, None for ar itself). tokens/s is pooled: new tokens
+    after the first over total decode time, so long answers weigh as they cost. tau and alpha_k pool
+    every verify step. M is the paper's memory-normalised speed: speedup / (memory / ar memory).
+    """
+    from s3djax.spec.loop import acceptance
+
+    decoded = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    tps = decoded / decode_s if decode_s > 0 else 0.0
+    out = {"prompts": len(runs), "new_tokens": sum(len(r["tokens"]) for r in runs), "tokens_per_s": tps,
+           "ttft_s": float(np.mean([r["ttft_s"] for r in runs if r["ttft_s"] is not None] or [np.nan])),
+           "memory_bytes": memory_bytes}
+    if baseline is not None:
+        base = summarize(baseline, None, depth=depth, memory_bytes=baseline_memory_bytes,
+                         baseline_memory_bytes=baseline_memory_bytes)
+        out["speedup"] = tps / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+        out["identical"] = float(np.mean([r["tokens"] == b["tokens"] for r, b in zip(runs, baseline)]))
+    else:
+        out["speedup"], out["identical"] = 1.0, 1.0
+    out["memory_normalized_speedup"] = out["speedup"] / (memory_bytes / baseline_memory_bytes)
+    steps = [a for r in runs for a in r.get("accepted_per_step", ())]
+    if any("accepted_per_step" in r for r in runs):
+        stats = acceptance(steps, depth)
+        out.update(tau=stats["mean_accepted_tokens"], acceptance_by_depth=stats["acceptance_by_depth"],
+                   verify_steps=stats["verify_steps"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ running
+
+def kv_cache_bytes(config, args) -> int:
+    """A full --max-cache-len cache: ours is allocated whole, and a peer's grows toward it."""
+    import jax.numpy as jnp
+
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(args.dtype).itemsize
+    return per_token * args.max_cache_len
+
+
+class JaxMethod:
+    """One of our decoders, built once; a run is a timed Runner.generate."""
+
+    def __init__(self, name, m, args):
+        from s3djax import methods, quant
+        from s3djax.decode import Runner
+
+        built = methods.build(name, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip if
+                              name != "ar" else "", gamma=args.gamma, tree=args.tree, draft_path=args.draft)
+        self.warnings, self.about = built.warnings, built.draft
+        self.runner = Runner(built.decoder, built.params)
+        self.depth = built.decoder.drafter.tree.depth if hasattr(built.decoder, "drafter") else 0
+        self.memory_bytes = quant.param_bytes(built.params) + kv_cache_bytes(m.config, args)
+
+    def __call__(self, ids, n):
+        r = self.runner.generate(ids, n)
+        return {"tokens": r.tokens, "decode_s": r.decode_s, "ttft_s": r.ttft_s, "compile_s": r.compile_s,
+                **({"accepted_per_step": r.stats["accepted_per_step"]} if r.stats else {})}
+
+
+class PeerMethod:
+    """A transformers peer; memory counts its parameters and a KV cache as long as ours."""
+
+    def __init__(self, name, model, m, args, exit_layer=None):
+        from infer import peers
+
+        self.run_peer = peers.peer(name, model, exit_layer=exit_layer)
+        self.warnings, self.depth = [], 0
+        self.about = f"transformers, exit layer {exit_layer}" if exit_layer else "transformers"
+        self.memory_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + kv_cache_bytes(m.config, args)
+
+    def __call__(self, ids, n):
+        return self.run_peer(ids, n)
+
+
+def build_methods(args, m, prompts_for_tuning, notes):
+    from infer import peers
+
+    built, hf = {}, []  # one transformers model serves every peer
+    for name in args.methods:
+        if name in ("ar", "s3d"):
+            built[name] = JaxMethod(name, m, args)
+        elif name in peers.PEERS:
+            why = peers.unavailable()
+            if why:
+                notes.append(f"{name} skipped: {why}")
+                continue
+            if m.quant != "none":
+                notes.append(f"{name} skipped: transformers runs the float model, not this {m.quant} one")
+                continue
+            if not hf:
+                import torch
+
+                hf.append(peers.hf_model(m, dtype=torch.bfloat16 if args.dtype == "bfloat16" else None))
+            model = hf[0]
+            exit_layer = None
+            if name == "hf-early-exit":
+                layers = m.config.num_layers
+                candidates = ([int(x) for x in args.exit_layers.split(",")] if args.exit_layers else
+                              sorted({max(1, layers // 4), layers // 2, (3 * layers) // 4}))
+                exit_layer = peers.tune_exit_layer(model, prompts_for_tuning, candidates, max_new_tokens=32)
+                notes.append(f"hf-early-exit: exit layer {exit_layer}, the fastest of {candidates} on "
+                             f"{len(prompts_for_tuning)} prompts")
+            built[name] = PeerMethod(name, model, m, args, exit_layer)
+        else:
+            from s3djax.errors import UserError
+
+            raise UserError(f"unknown method {name!r}; choose from ar, s3d, {', '.join(peers.PEERS)}")
+    return built
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=10).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import jax
+    from tqdm import tqdm
+
+    from s3djax import bench_data, device
+    from s3djax.loading import load_model
+
+    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
+                   quantization=args.quant, matmul=args.matmul)
+    notes, sets = [], {}
+    for name in args.dataset:
+        items = bench_data.prompts(name, m.tokenizer, args.limit, mt_bench_turns=args.mt_bench_turns)
+        fits = [p for p in items if len(p["ids"]) + args.max_new_tokens <= args.max_cache_len]
+        if len(fits) < len(items):
+            notes.append(f"{name}: {len(items) - len(fits)} prompts skipped, longer than --max-cache-len "
+                         f"{args.max_cache_len} less --max-new-tokens {args.max_new_tokens}")
+        if not fits:
+            from s3djax.errors import UserError
+
+            raise UserError(f"no {name} prompt fits --max-cache-len {args.max_cache_len} with "
+                            f"--max-new-tokens {args.max_new_tokens}")
+        sets[name] = fits
+    first = next(iter(sets.values()))
+    print(f"loaded {m.name} in {m.load_s:.1f} s; building {', '.join(args.methods)}...", file=sys.stderr, flush=True)
+    methods = build_methods(args, m, [p["ids"] for p in first[:2]], notes)
+    for method in methods.values():
+        notes.extend(method.warnings)
+    for name, method in methods.items():  # compile and warm up apart from the timed runs
+        method(first[0]["ids"], 8)
+    runs = {d: {name: [] for name in methods} for d in sets}
+    names = list(methods)
+    with tqdm(total=sum(map(len, sets.values())) * len(names), desc="benchmark", unit="run", file=sys.stderr) as bar:
+        for d, items in sets.items():
+            for i, p in enumerate(items):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    bar.set_postfix_str(f"{d} {p['id']} {name}")
+                    runs[d][name].append({"id": p["id"], "prompt_tokens": len(p["ids"]),
+                                          **methods[name](p["ids"], args.max_new_tokens)})
+                    bar.update()
+    ar_memory = methods["ar"].memory_bytes
+    summary = {d: {name: summarize(r, None if name == "ar" else runs[d]["ar"], depth=methods[name].depth,
+                                   memory_bytes=methods[name].memory_bytes, baseline_memory_bytes=ar_memory)
+                   for name, r in per.items()} for d, per in runs.items()}
+    for d, per in summary.items():
+        for name, s in per.items():
+            if s["identical"] < 1.0:
+                notes.append(f"MISMATCH: {name} on {d}: only {s['identical']:.0%} of outputs are identical to ar")
+                print(f"warning: {notes[-1]}", file=sys.stderr)
+    record = {"device": device.describe(), "jax": jax.__version__, "commit": git_commit(),
+              "date": datetime.date.today().isoformat(), "model": m.name, "quant": m.quant,
+              "peak_device_bytes": device.peak_bytes(),
+              "settings": {k: v for k, v in vars(args).items() if k != "out"},
+              "methods": {name: method.about for name, method in methods.items()},
+              "notes": notes, "summary": summary, "runs": runs}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(markdown(record) + "\n")
+    plots(record, args.out)
+    print(markdown(record))
+    print(f"wrote {args.out}/results.json, results.md, acceptance.png, speed.png", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------ reports
+
+def markdown(record: dict) -> str:
+    s = record["settings"]
+    lines = [f"# Benchmark: {record['model']}, {', '.join(record['summary'])}", "",
+             f"- device: {record['device']}",
+             f"- date: {record['date']}; commit {record['commit']}",
+             f"- greedy, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
+             f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree']}",
+             *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
+             *[f"- note: {n}" for n in record["notes"]], "",
+             "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "
+             "in this run; tau: tokens per verify step, bonus included; M: speedup / (memory / ar memory), memory "
+             "being parameters plus KV cache; identical: outputs equal to `ar`'s.", "",
+             "| dataset | method | prompts | tokens/s | speedup | tau | alpha_1..k | M | TTFT ms | memory MiB | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for d, per in record["summary"].items():
+        for name, r in per.items():
+            alpha = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth", [])) or "-"
+            tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+            lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | "
+                         f"{alpha} | {r['memory_normalized_speedup']:.2f} | {r['ttft_s'] * 1000:.0f} | "
+                         f"{r['memory_bytes'] / 2**20:.0f} | {r['identical']:.0%} |")
+    return "\n".join(lines)
+
+
+def plots(record: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d, per in record["summary"].items():
+        for name, r in per.items():
+            alpha = r.get("acceptance_by_depth")
+            if alpha:
+                ax.plot(range(1, len(alpha) + 1), alpha, marker="o", label=f"{name}, {d}")
+    ax.set(xlabel="draft depth k", ylabel="alpha_k (accepted | depth k-1 accepted)", ylim=(0, 1.05),
+           title=f"Acceptance by depth, {record['model']}")
+    if ax.has_data():
+        ax.legend(fontsize=8)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.text(0.01, 0.01, record["device"], fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "acceptance.png"), dpi=120)
+    plt.close(fig)
+
+    datasets = list(record["summary"])
+    names = list(next(iter(record["summary"].values())))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.4 * len(names) * len(datasets) / 2, 4))
+    width = 0.8 / len(datasets)
+    for j, d in enumerate(datasets):
+        ax.bar(np.arange(len(names)) + j * width, [record["summary"][d][n]["tokens_per_s"] for n in names], width,
+               label=d)
+    ax.set_xticks(np.arange(len(names)) + width * (len(datasets) - 1) / 2, names, rotation=20)
+    ax.set(ylabel="tokens/s", title=f"Greedy decode speed, {record['model']}")
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, record["device"], fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "speed.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    run(main)

