@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from infer.cli import Parser, run
+from infer.cli import Parser, run, sampling
 
 DEFAULT_METHODS = "ar,s3d,hf-ar,hf-early-exit,hf-prompt-lookup"
 
@@ -44,13 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--tree", default="chain")
     p.add_argument("--skip", default="", help="the s3d draft's skip plan (default: the draft's own)")
+    p.add_sampling()
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
     args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        p.error(f"argument --limit: invalid value {args.limit}")
-    if args.max_new_tokens < 2:
-        p.error(f"argument --max-new-tokens: invalid value {args.max_new_tokens}")
+    p.check(args, limit=args.limit is None or args.limit >= 1, max_new_tokens=args.max_new_tokens >= 2)
     args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
     args.dataset = [d for d in args.dataset.split(",") if d]
     return args
@@ -109,14 +107,16 @@ class JaxMethod:
         from s3djax.decode import Runner
 
         built = methods.build(name, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip if
-                              name != "ar" else "", gamma=args.gamma, tree=args.tree, draft_path=args.draft)
+                              name != "ar" else "", gamma=args.gamma, tree=args.tree, draft_path=args.draft,
+                              sampling=sampling(args))
+        self.seed = args.seed
         self.warnings, self.about = built.warnings, built.draft
         self.runner = Runner(built.decoder, built.params)
         self.depth = built.decoder.drafter.tree.depth if hasattr(built.decoder, "drafter") else 0
         self.memory_bytes = quant.param_bytes(built.params) + kv_cache_bytes(m.config, args)
 
     def __call__(self, ids, n):
-        r = self.runner.generate(ids, n)
+        r = self.runner.generate(ids, n, seed=self.seed)
         return {"tokens": r.tokens, "decode_s": r.decode_s, "ttft_s": r.ttft_s, "compile_s": r.compile_s,
                 **({"accepted_per_step": r.stats["accepted_per_step"]} if r.stats else {})}
 
@@ -127,7 +127,7 @@ class PeerMethod:
     def __init__(self, name, model, m, args, exit_layer=None):
         from infer import peers
 
-        self.run_peer = peers.peer(name, model, exit_layer=exit_layer)
+        self.run_peer = peers.peer(name, model, exit_layer=exit_layer, sampling=sampling(args))
         self.warnings, self.depth = [], 0
         self.about = f"transformers, exit layer {exit_layer}" if exit_layer else "transformers"
         self.memory_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + kv_cache_bytes(m.config, args)
@@ -224,9 +224,13 @@ def main(argv=None):
     summary = {d: {name: summarize(r, None if name == "ar" else runs[d]["ar"], depth=methods[name].depth,
                                    memory_bytes=methods[name].memory_bytes, baseline_memory_bytes=ar_memory)
                    for name, r in per.items()} for d, per in runs.items()}
+    if args.temperature > 0:  # sampled outputs differ by design; lossless means equal distributions
+        for per in summary.values():
+            for s in per.values():
+                s["identical"] = None
     for d, per in summary.items():
         for name, s in per.items():
-            if s["identical"] < 1.0:
+            if s["identical"] is not None and s["identical"] < 1.0:
                 notes.append(f"MISMATCH: {name} on {d}: only {s['identical']:.0%} of outputs are identical to ar")
                 print(f"warning: {notes[-1]}", file=sys.stderr)
     record = {"device": device.describe(), "jax": jax.__version__, "commit": git_commit(),
@@ -249,25 +253,29 @@ def main(argv=None):
 
 def markdown(record: dict) -> str:
     s = record["settings"]
+    decoding = "greedy" if not s["temperature"] else (f"sampled at temperature {s['temperature']}, top-k {s['top_k']}, "
+                                                      f"top-p {s['top_p']}, seed {s['seed']}")
     lines = [f"# Benchmark: {record['model']}, {', '.join(record['summary'])}", "",
              f"- device: {record['device']}",
              f"- date: {record['date']}; commit {record['commit']}",
-             f"- greedy, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
+             f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
              f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree']}",
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "
              "in this run; tau: tokens per verify step, bonus included; M: speedup / (memory / ar memory), memory "
-             "being parameters plus KV cache; identical: outputs equal to `ar`'s.", "",
+             "being parameters plus KV cache; identical: outputs equal to `ar`'s (greedy only: sampled outputs "
+             "differ by design, and lossless then means the same distribution).", "",
              "| dataset | method | prompts | tokens/s | speedup | tau | alpha_1..k | M | TTFT ms | memory MiB | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for d, per in record["summary"].items():
         for name, r in per.items():
             alpha = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth", [])) or "-"
             tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+            identical = "-" if r["identical"] is None else f"{r['identical']:.0%}"
             lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | "
                          f"{alpha} | {r['memory_normalized_speedup']:.2f} | {r['ttft_s'] * 1000:.0f} | "
-                         f"{r['memory_bytes'] / 2**20:.0f} | {r['identical']:.0%} |")
+                         f"{r['memory_bytes'] / 2**20:.0f} | {identical} |")
     return "\n".join(lines)
 
 

@@ -16,6 +16,26 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def add_sampling(self):
+        self.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+        self.add_argument("--top-k", type=int, default=0)
+        self.add_argument("--top-p", type=float, default=1.0)
+        self.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+
+    def check(self, args, **valid):
+        """`--flag-name: invalid value` for each flag_name=False, sampling flags included when defined."""
+        if hasattr(args, "temperature"):
+            valid = dict(temperature=args.temperature >= 0, top_k=args.top_k >= 0, top_p=0 < args.top_p <= 1, **valid)
+        for name, ok in valid.items():
+            if not ok:
+                self.error(f"argument --{name.replace('_', '-')}: invalid value {getattr(args, name)}")
+
+
+def sampling(args):
+    from s3djax.sampling import Sampling
+
+    return Sampling(args.temperature, args.top_k, args.top_p)
+
 
 def run(main) -> None:
     """Call `main()`; turn UserError into one line and exit code 2."""

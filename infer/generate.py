@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from infer.cli import Parser, run
+from infer.cli import Parser, run, sampling
 from s3djax.methods import METHODS
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -40,19 +40,12 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
     p.add_argument("--tree", default="chain", help="token tree: chain (gamma nodes) or a name in configs/trees")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p.add_sampling()
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object instead of streaming")
     p.add_argument("--profile", action="store_true",
                    help="speculative methods: also time the draft and verify steps apart (after the run)")
     args = p.parse_args(argv)
-    for name, ok in (("--max-new-tokens", args.max_new_tokens >= 1), ("--max-cache-len", args.max_cache_len >= 2),
-                     ("--temperature", args.temperature >= 0), ("--top-k", args.top_k >= 0),
-                     ("--top-p", 0 < args.top_p <= 1)):
-        if not ok:
-            p.error(f"argument {name}: invalid value {getattr(args, name[2:].replace('-', '_'))}")
+    p.check(args, max_new_tokens=args.max_new_tokens >= 1, max_cache_len=args.max_cache_len >= 2)
     return args
 
 
@@ -95,13 +88,12 @@ def main(argv=None):
     from s3djax import device, methods, quant
     from s3djax.decode import Runner
     from s3djax.loading import load_model
-    from s3djax.sampling import Sampling
     from s3djax.tokenizer import encode_prompt
 
     m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
                    quantization=args.quant, matmul=args.matmul)
     built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip,
-                          sampling=Sampling(args.temperature, args.top_k, args.top_p), gamma=args.gamma,
+                          sampling=sampling(args), gamma=args.gamma,
                           tree=args.tree, draft_path=args.draft)
     for warning in built.warnings:
         print(f"warning: {warning}", file=sys.stderr)

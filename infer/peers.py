@@ -105,7 +105,7 @@ def hf_model(loaded, dtype=None, device: str = "cpu", threads: int | None = None
 
 
 def peer(name: str, model, *, exit_layer: int | None = None, lookup_tokens: int = LOOKUP_TOKENS,
-         ttft: bool = True) -> Callable[[list[int], int], dict]:
+         ttft: bool = True, sampling=None) -> Callable[[list[int], int], dict]:
     """A greedy decoder `(prompt_ids, max_new_tokens) -> {tokens, decode_s, ttft_s, total_s}`.
 
     `tokens` are the new tokens, EOS included if produced. `total_s` is one `generate` call, prefill
@@ -113,7 +113,8 @@ def peer(name: str, model, *, exit_layer: int | None = None, lookup_tokens: int 
     off), and `decode_s` = total_s - ttft_s, the share our `Result.decode_s` measures (total_s
     without ttft). `hf-early-exit` drafts with the first `exit_layer` layers (default: half),
     `hf-prompt-lookup` with `lookup_tokens`; drafts follow transformers' defaults otherwise (up to 20
-    tokens, stopping below 0.4 confidence for early exit).
+    tokens, stopping below 0.4 confidence for early exit). `sampling`, an `s3djax.sampling.Sampling`
+    with a temperature, samples through transformers' own warpers instead.
     """
     import torch
 
@@ -129,13 +130,17 @@ def peer(name: str, model, *, exit_layer: int | None = None, lookup_tokens: int 
         options = {"prompt_lookup_num_tokens": lookup_tokens}
     else:
         raise UserError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+    if sampling is not None and not sampling.greedy:
+        options.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                       top_p=sampling.top_p)
+    else:
+        options.update(do_sample=False)
     device = model.device
 
     def generate(prompt, n):
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False,
-                                 **options)
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, **options)
         tokens = out[0, prompt.shape[1]:].tolist()  # .tolist() waits for the device
         return tokens, time.perf_counter() - t
 

@@ -108,9 +108,9 @@ class OracleDrafter:
     def init_state(self, params, draft):
         return ()
 
-    def draft(self, params, draft, cache, length, last, state):
+    def draft(self, params, draft, cache, length, last, state, key, sampling):
         positions = length[:, None] + jnp.asarray(self.tree.node_depths[1:])[None]
-        return draft["reference"][positions], jnp.ones(positions.shape, bool), cache, state
+        return draft["reference"][positions], jnp.ones(positions.shape, bool), None, cache, state
 
     def update(self, state, accepted):
         return state

@@ -30,7 +30,7 @@ class SpecDecoder:
     @classmethod
     def create(cls, ar: ARDecoder, drafter) -> "SpecDecoder":
         if not ar.sampling.greedy:
-            raise UserError("speculative methods decode greedily for now; drop --temperature/--top-k/--top-p")
+            drafter.tree.check_sampling()
         # Slack covers the draft block, the tree's scratch slots and one step's output (depth + 1).
         return cls(dataclasses.replace(ar, slack=max(drafter.tree.num_nodes, drafter.gamma)), drafter)
 
@@ -57,15 +57,17 @@ class SpecDecoder:
     def decode(self, params, state, stop_at):
         target, draft = params
         tree, drafter, s_max = self.drafter.tree, self.drafter, self.ar.max_cache_len
-        config, width = self.ar.config, tree.depth + 1
+        config, width, sampling = self.ar.config, tree.depth + 1, self.ar.sampling
 
         def cond(s):
             return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
 
         def body(s):
-            nodes, valid, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
+            key, draft_key, verify_key = jax.random.split(s["key"], 3)
+            nodes, valid, child_probs, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"],
+                                                                     s["drafter"], draft_key, sampling)
             cache, accepted, emitted = verify(target, cache, s["length"], s["last"], nodes, valid, config=config,
-                                              tree=tree)
+                                              tree=tree, sampling=sampling, child_probs=child_probs, key=verify_key)
             # Tokens after an EOS inside the accepted path are dropped.
             live = jnp.arange(width)[None] <= accepted[:, None]
             eos = self.ar.is_eos(emitted) & live
@@ -76,7 +78,7 @@ class SpecDecoder:
                     "last": emitted[jnp.arange(emitted.shape[0]), n_out - 1], "length": s["length"] + accepted + 1,
                     "done": s["done"] | eos.any(1), "drafter": drafter.update(dstate, accepted),
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
-                    "iteration": s["iteration"] + 1}
+                    "iteration": s["iteration"] + 1, "key": key}
 
         return jax.lax.while_loop(cond, body, state)
 

@@ -61,7 +61,7 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
         return step
 
     def draft_step(c):
-        nodes, _, c, _ = drafter.draft(target, draft, c, length, last, dstate)
+        nodes, _, _, c, _ = drafter.draft(target, draft, c, length, last, dstate, None, decoder.ar.sampling)
         return c, nodes
 
     out = {}

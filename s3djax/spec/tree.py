@@ -84,6 +84,23 @@ class TreeSpec:
         return np.array([0] + [index.get(p[:-1], 0) for p in self.paths], np.int32)
 
     @property
+    def children(self) -> np.ndarray:
+        """[N, max children] node indices in rank order, -1 padded (the order sampling tries them in)."""
+        kids = [[] for _ in range(self.num_nodes)]
+        for i, (parent, rank) in enumerate(zip(self.parents[1:], self.node_ranks[1:]), start=1):
+            kids[parent].append((rank, i))
+        width = max(1, max(map(len, kids)))
+        return np.array([[i for _, i in sorted(k)] + [-1] * (width - len(k)) for k in kids], np.int32)
+
+    def check_sampling(self) -> None:
+        """Sampled verification tries a node's children as consecutive draws without replacement, so a
+        node's children must hold ranks 0..m-1 with none missing."""
+        for row in self.children:
+            ranks = sorted(int(self.node_ranks[i]) for i in row if i >= 0)
+            if ranks != list(range(len(ranks))):
+                raise UserError(f"this tree cannot be sampled: a node's children have ranks {ranks}, not 0..{len(ranks) - 1}")
+
+    @property
     def ancestors(self) -> np.ndarray:
         """[N, N] bool: node i may attend to node j (j is i or an ancestor of i)."""
         n, parents = self.num_nodes, self.parents

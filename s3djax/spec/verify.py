@@ -1,8 +1,9 @@
-"""Tree verification: one full-model forward over [root + nodes], greedy acceptance, and commit.
+"""Tree verification: one full-model forward over [root + nodes], acceptance, and commit.
 
 Node i sits at RoPE position length + depth(i) and in cache slot length + i; it attends to the
 committed prefix (slots < length) and to its ancestors. Verification runs the full target with no
-draft parameters, so the accepted output is exactly the target's greedy output.
+draft parameters. Greedy acceptance keeps exactly the target's greedy output; sampled acceptance
+(recursive rejection sampling) keeps exactly the target's sampling distribution.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from s3djax import model
 from s3djax.cache import PrefixTreeMask
 from s3djax.config import ModelConfig
+from s3djax.sampling import Sampling, process_logits
 from s3djax.spec.tree import TreeSpec
 
 
@@ -32,22 +34,87 @@ def greedy_accept(tokens, target, valid, tree: TreeSpec):
     return accepted
 
 
-def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeSpec):
+def _normalized(p):
+    return p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+
+
+def accept_probability(r_tok, q_tok):
+    """min(1, r(x) / q(x)) for a candidate x drawn from q (so q(x) > 0)."""
+    return jnp.minimum(1.0, r_tok / jnp.maximum(q_tok, 1e-30))
+
+
+def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeSpec):
+    """Recursive rejection sampling down a static tree: (deepest accepted node [B], final token [B]).
+
+    tokens [B, N] (root first); probs [B, N, V]: the target's distribution after each node;
+    child_probs [B, N, V]: the draft distribution each node's children were drawn from, in rank
+    order and without replacement; valid [B, N].
+
+    At a node, with residual r = p(node) and proposal q: the child of rank i is accepted with
+    probability min(1, r(x)/q(x)); on rejection r <- norm(max(r - q, 0)) and x leaves q (the next
+    candidate was drawn from q without x). Each step is the one-candidate speculative-sampling lemma
+    (Leviathan et al. 2023, Thm. 1) applied to the candidate's own conditional proposal, so by
+    induction over the candidates the token leaving the node is distributed as p(node) whatever was
+    drafted: SpecInfer's multi-step speculative sampling (Miao et al. 2024, Thm. 4.2) with the
+    without-replacement correction of recursive speculative decoding (Jeon et al. 2024, Sec. 3.1).
+    The final token is drawn from the residual where every child was rejected, or from p at the
+    deepest node (the bonus token).
+    """
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    children = jnp.asarray(tree.children)
+    width = children.shape[1]
+    keys = jax.random.split(key, tree.depth * width + 1)
+    cur, going, r = jnp.zeros(b, jnp.int32), jnp.ones(b, bool), probs[:, 0]
+    for d in range(tree.depth):
+        q = child_probs[rows, cur]
+        found, nxt = jnp.zeros(b, bool), cur
+        for i in range(width):
+            child = children[cur, i]
+            node = jnp.maximum(child, 0)
+            tok = tokens[rows, node]
+            tries = going & ~found & (child >= 0) & valid[rows, node]
+            u = jax.random.uniform(keys[d * width + i], (b,))
+            take = tries & (u < accept_probability(r[rows, tok], q[rows, tok]))
+            found, nxt = found | take, jnp.where(take, child, nxt)
+            rejected = (tries & ~take)[:, None]
+            r = jnp.where(rejected, _normalized(jnp.maximum(r - q, 0.0)), r)
+            q = jnp.where(rejected, _normalized(q.at[rows, tok].set(0.0)), q)
+        going, cur = going & found, nxt
+        r = jnp.where(found[:, None], probs[rows, cur], r)
+    final = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
+    return cur, final
+
+
+def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeSpec,
+           sampling: Sampling = Sampling(), child_probs=None, key=None):
     """Returns (cache with the accepted path committed, accepted drafts a [B], emitted tokens [B, D+1]).
 
-    emitted[:, :a+1] are the a accepted tokens followed by the bonus token (the target's argmax
-    after the deepest accepted node); the rest is padding.
+    emitted[:, :a+1] are the a accepted tokens followed by the bonus token (greedy: the target's
+    argmax after the deepest accepted node; sampled: a draw from the target, or from the residual
+    where a draft was rejected); the rest is padding. Sampling needs the drafter's `child_probs`
+    and a PRNG `key`.
     """
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
     depths = jnp.asarray(tree.node_depths)
     positions = length[:, None] + depths[None]
     mask = tree_mask(length, tree)
     hidden, cache = model.forward(params, tokens, positions, cache, length, mask, config=config)
-    target = jnp.argmax(model.logits(params, hidden), axis=-1).astype(jnp.int32)
-    accepted = greedy_accept(tokens, target, jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], 1), tree)
-    deepest = jnp.argmax(jnp.where(accepted, depths, -1), axis=1)  # one accepted node per depth, so unique
-    path = jnp.asarray(tree.path_table)[deepest]                   # [B, D+1]
-    return commit_path(cache, length, path, tree.num_nodes), depths[deepest], jnp.take_along_axis(target, path, 1)
+    logits = model.logits(params, hidden)
+    valid = jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], 1)
+    if sampling.greedy:
+        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        accepted = greedy_accept(tokens, target, valid, tree)
+        deepest = jnp.argmax(jnp.where(accepted, depths, -1), axis=1)  # one accepted node per depth, so unique
+        path = jnp.asarray(tree.path_table)[deepest]                   # [B, D+1]
+        emitted = jnp.take_along_axis(target, path, 1)
+    else:
+        probs = jax.nn.softmax(process_logits(logits, sampling), axis=-1)
+        deepest, final = sample_accept(tokens, probs, child_probs, valid, key, tree)
+        path = jnp.asarray(tree.path_table)[deepest]
+        drafted = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, -1:]], 1), 1)
+        emitted = jnp.where(jnp.arange(tree.depth + 1)[None] == depths[deepest][:, None], final[:, None], drafted)
+    return commit_path(cache, length, path, tree.num_nodes), depths[deepest], emitted
 
 
 def commit_path(cache, length, path, num_nodes: int):

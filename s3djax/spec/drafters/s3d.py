@@ -6,10 +6,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from s3djax import cache as kv
 from s3djax import model
 from s3djax.config import ModelConfig
+from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
 from s3djax.spec.tree import TreeSpec
 
@@ -40,12 +42,21 @@ class S3DDrafter:
                                       lora=draft.get("lora"))
         return model.logits(params, hidden), cache
 
-    def draft(self, params, draft, cache, length, last, state):
+    def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         logits, cache = self.block_logits(params, draft, cache, length, last)
-        candidates = jax.lax.top_k(logits, self.tree.max_rank + 1)[1]  # [B, gamma, k]
         # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
-        nodes = candidates[:, self.tree.node_depths[1:] - 1, self.tree.node_ranks[1:]]
-        return nodes.astype(jnp.int32), jnp.ones(nodes.shape, bool), cache, state
+        at = (slice(None), self.tree.node_depths[1:] - 1, self.tree.node_ranks[1:])
+        k = self.tree.max_rank + 1
+        if sampling.greedy:
+            nodes = jax.lax.top_k(logits, k)[1][at].astype(jnp.int32)
+            return nodes, jnp.ones(nodes.shape, bool), None, cache, state
+        logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)             # [B, gamma, V]
+        # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
+        # without replacement (Kool et al. 2019), the order sampled verification tries them in.
+        scores, candidates = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
+        nodes, valid = candidates[at].astype(jnp.int32), jnp.isfinite(scores[at])     # q(x) = 0 is no draw
+        child_probs = jnp.exp(logq)[:, np.minimum(self.tree.node_depths, self.gamma - 1)]  # node -> q of depth + 1
+        return nodes, valid, child_probs, cache, state
 
     def update(self, state, accepted):
         return state

@@ -1,0 +1,141 @@
+"""Speculative sampling is lossless: the emitted tokens follow exactly the target's sampling distribution.
+
+A 12-token vocabulary makes the target's exact distribution over the next tokens computable by
+brute force, so tens of thousands of sampled continuations (one vmapped, jitted call) can be
+compared with it by a chi-square test, which must also reject a deliberately broken acceptance rule.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.decode import ARDecoder, Runner
+from s3djax.sampling import Sampling, process_logits
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec import tree as trees
+from s3djax.spec import verify as verify_module
+from s3djax.spec.draft_params import init_draft
+from s3djax.spec.drafters.s3d import S3DDrafter
+from s3djax.spec.loop import SpecDecoder
+from tests.tiny import LLAMA, random_params
+
+SMALL = ModelConfig(arch="llama", vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                    num_kv_heads=2, head_dim=8, rope_theta=100.0)
+PROMPT = [1, 5, 3, 7]
+SAMPLES = 16_000
+SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
+
+
+@pytest.fixture(scope="module")
+def params():
+    # Scaled so that next-token distributions are neither flat nor one-hot.
+    return jax.tree.map(lambda a: a * 4 if a.ndim == 2 else a, model.init_params(SMALL, jax.random.key(11)))
+
+
+def exact_joint(params, sampling: Sampling) -> np.ndarray:
+    """P(t1, t2, t3 | PROMPT) [V, V, V] under the processed target distribution, by brute force."""
+    v = SMALL.vocab_size
+
+    def dist(rows):
+        rows = jnp.asarray(rows, jnp.int32)
+        b, t = rows.shape
+        cache = kv.init_cache(SMALL, b, t, jnp.float32)
+        slots = jnp.zeros((b,), jnp.int32)
+        hidden, _ = model.forward(params, rows, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, slots,
+                                  kv.causal_mask(slots, t, t), config=SMALL)
+        return np.asarray(jax.nn.softmax(process_logits(model.logits(params, hidden[:, -1]), sampling), -1), np.float64)
+
+    grid = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
+    p1 = dist([PROMPT])[0]
+    p2 = dist([PROMPT + [a] for a in range(v)])
+    p3 = dist([PROMPT + list(ab) for ab in grid]).reshape(v, v, v)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_joint(params, decoder, draft) -> np.ndarray:
+    """Counts [V, V, V] of the first three new tokens over SAMPLES seeds, in one vmapped call."""
+    prompt, lengths = jnp.asarray([PROMPT], jnp.int32), jnp.asarray([len(PROMPT)], jnp.int32)
+    both = params if draft is None else (params, draft)
+
+    def three(key):
+        state = decoder.decode(both, decoder.start(both, prompt, lengths, key), jnp.int32(3))
+        return state["tokens"][0, :3]
+
+    tokens = np.asarray(jax.jit(jax.vmap(three))(jax.random.split(jax.random.key(0), SAMPLES)))
+    v = SMALL.vocab_size
+    return np.bincount((tokens[:, 0] * v + tokens[:, 1]) * v + tokens[:, 2], minlength=v ** 3).reshape(v, v, v)
+
+
+def chi_square_p(counts, probs) -> float:
+    """Goodness of fit, pooling cells expected fewer than 5 times into one."""
+    probs = probs.ravel() / probs.sum()  # fp32 softmaxes sum to 1 within rounding only
+    counts, expected = counts.ravel(), probs * counts.sum()
+    if counts[expected == 0].any():  # a token the target cannot emit (cut by top-k / top-p)
+        return 0.0
+    small, big = (expected > 0) & (expected < 5), expected >= 5
+    observed, expected = np.append(counts[big], counts[small].sum()), np.append(expected[big], expected[small].sum())
+    keep = expected > 0  # the pooled cell is empty when nothing is small
+    return stats.chisquare(observed[keep], expected[keep]).pvalue
+
+
+def spec_decoder(sampling, tree, gamma=4, skip="1-2"):
+    plan = SkipPlan.parse(skip, SMALL.num_layers)
+    return SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=sampling),
+                              S3DDrafter(SMALL, plan, trees.resolve(tree, gamma), gamma)), plan
+
+
+T1 = Sampling(temperature=1.0)
+SHAPED = Sampling(temperature=0.7, top_k=6, top_p=0.9)
+
+
+def test_the_target_itself_passes(params):
+    # The test of the harness: plain AR sampling against the brute-force distribution.
+    decoder = ARDecoder(SMALL, 32, eos_ids=(), sampling=T1)
+    exact = exact_joint(params, T1)
+    assert exact.max() < 0.5 and (exact > 1e-3).sum() > 40  # spread enough to say something
+    assert chi_square_p(sampled_joint(params, decoder, None), exact) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8")],
+                         ids=["t1-chain", "t1-tree16", "shaped-tree8"])
+def test_s3d_samples_the_target_distribution(params, sampling, tree):
+    decoder, plan = spec_decoder(sampling, tree)
+    counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
+    assert chi_square_p(counts, exact_joint(params, sampling)) > SIGNIFICANCE
+
+
+def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):
+    # Accepting every draft outright makes the output follow the draft, not the target.
+    monkeypatch.setattr(verify_module, "accept_probability", lambda r, q: jnp.ones_like(r))
+    decoder, plan = spec_decoder(T1, "tree-8")
+    counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
+    assert chi_square_p(counts, exact_joint(params, T1)) < 1e-6
+
+
+def test_a_near_zero_temperature_is_greedy_and_seeds_reproduce():
+    params, prompt = random_params(LLAMA, 2), [3, 1, 4, 1, 5]
+    plan = SkipPlan.parse("1-2", LLAMA.num_layers)
+    draft = init_draft(params, LLAMA, plan, lora_rank=2)
+
+    def run(sampling, seed):
+        decoder = SpecDecoder.create(ARDecoder(LLAMA, 64, eos_ids=(), sampling=sampling),
+                                     S3DDrafter(LLAMA, plan, trees.resolve("tree-8", 4), 4))
+        return Runner(decoder, (params, draft)).generate(prompt, 24, seed=seed).tokens
+
+    greedy = Runner(ARDecoder(LLAMA, 64, eos_ids=()), params).generate(prompt, 24).tokens
+    assert run(Sampling(temperature=1e-4), 0) == greedy
+    warm = Sampling(temperature=1.0)
+    assert run(warm, 3) == run(warm, 3) and run(warm, 3) != run(warm, 4)
+
+
+def test_a_tree_with_a_missing_rank_cannot_be_sampled():
+    from s3djax.errors import UserError
+
+    tree = trees.TreeSpec.from_paths([(0,), (2,)])
+    with pytest.raises(UserError, match="cannot be sampled"):
+        SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), S3DDrafter(SMALL, SkipPlan.parse("1", 4), tree, 1))
