@@ -26,7 +26,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="small shapes: a CPU check of the script")
     p.add_argument("--context", type=int, default=512, help="committed tokens in the cache")
     p.add_argument("--cache-len", type=int, default=1024)
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -36,6 +36,7 @@ def main():
     from s3djax import cache as kv
     from s3djax import device, model, quant, registry
     from s3djax.loading import load_model
+    from s3djax.spec.profile import ms_per_step
 
     bf16 = jnp.bfloat16
     smollm2 = load_model("smollm2-135m", dtype="bfloat16", progress=False)
@@ -48,13 +49,14 @@ def main():
     variants = {"bf16": None, "int8 (XLA)": ("int8", "xla"), "int8 (Pallas)": ("int8", "pallas"),
                 "int8-all (XLA)": ("int8-all", "xla")}
 
-    def step_fn(config):
-        @jax.jit
-        def step(params, cache, token, length):
+    def step_ms(config, params, cache, length):
+        """One decode step carried through a loop with the cache in place, as the decode loop runs it."""
+        def step(params, cache):
+            token = jnp.ones((1, 1), jnp.int32)
             hidden, cache = model.forward(params, token, length[:, None], cache, length, kv.causal(length, 1),
                                           config=config)
-            return jnp.argmax(model.logits(params, hidden), -1).astype(jnp.int32), cache
-        return step
+            return cache, jnp.argmax(model.logits(params, hidden), -1).astype(jnp.int32)
+        return ms_per_step(step, params, cache, args.repeats)[0]
 
     def weight_bytes(params, config):
         # What a step reads: every layer weight and the head; of an untied embedding, one row.
@@ -64,7 +66,6 @@ def main():
     copy_bw = report.copy_bandwidth(args.repeats)
     rows = []
     for regime, (config, make) in regimes.items():
-        step = step_fn(config)
         base_ms = None
         for name, how in variants.items():
             params = make()
@@ -72,9 +73,8 @@ def main():
                 params = quant.apply(params, how[0], bf16, how[1])
             cache = kv.init_cache(config, 1, args.cache_len, bf16)
             length = jnp.full((1,), args.context, jnp.int32)
-            token = jnp.ones((1, 1), jnp.int32)
             print(f"{regime}: {name}...", file=sys.stderr, flush=True)
-            ms = report.median_us(step, params, cache, token, length, repeats=args.repeats) / 1000
+            ms = step_ms(config, params, cache, length)
             base_ms = base_ms or ms
             stats = jax.devices()[0].memory_stats() or {}
             in_use = stats.get("bytes_in_use")
@@ -94,7 +94,7 @@ def main():
         f"- measured copy bandwidth: {copy_bw / 1e9:.1f} GB/s; process peak device memory: "
         f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         f"- one token per step over a {args.cache_len}-slot bf16 cache holding {args.context} tokens; activations "
-        f"bf16; median of {args.repeats} steps",
+        f"bf16; each step run {args.repeats} times in a loop carrying the cache in place, median of 3 such runs",
         "- weight GB/s: the bytes of weights a step reads (layers and LM head) per step time; the KV cache read is "
         "extra",
         "- int8: the layers' linears; int8-all: also the embedding and LM head",

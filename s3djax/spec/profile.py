@@ -19,24 +19,25 @@ from s3djax.spec.verify import verify
 ROOT_ONLY = TreeSpec(())  # verifying the root alone is exactly an AR step
 
 
-def _ms_per_step(step, cache, repeats: int):
-    """Run `step(cache) -> (cache, tokens)` `repeats` times in one fori_loop, carrying the cache as the
-    real loop does (in place, no copies), and folding the tokens into the carry so nothing is elided."""
+def ms_per_step(step, params, cache, repeats: int):
+    """Run `step(params, cache) -> (cache, tokens)` `repeats` times in one fori_loop, carrying the cache as
+    the real loop does (in place, no copies), and folding the tokens into the carry so nothing is elided.
+    params go in as arguments: closed over, a 7B model's weights would be baked into the executable."""
 
-    def run(cache):
+    def run(params, cache):
         def body(_, carry):
             cache, acc = carry
-            cache, tokens = step(cache)
+            cache, tokens = step(params, cache)
             return cache, acc + tokens.sum()
         return jax.lax.fori_loop(0, repeats, body, (cache, jnp.int32(0)))
 
-    run = jax.jit(run, donate_argnums=0)
-    cache, acc = run(cache)
+    run = jax.jit(run, donate_argnums=1)
+    cache, acc = run(params, cache)
     jax.block_until_ready(acc)
     samples = []
     for _ in range(3):
         t = time.perf_counter()
-        cache, acc = run(cache)
+        cache, acc = run(params, cache)
         jax.block_until_ready(acc)
         samples.append((time.perf_counter() - t) / repeats)
     return statistics.median(samples) * 1000, cache
@@ -46,28 +47,27 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
                repeats: int = 10) -> dict[str, float]:
     """Milliseconds for the AR step, the draft step and the verify step (of each tree given, default the
     decoder's), at the state's committed length. The state's cache is consumed."""
-    target, draft = params
     config, drafter = decoder.ar.config, decoder.drafter
     cache, length, last = state["cache"], state["length"], state["last"]
-    dstate = drafter.init_state(target, draft)
+    dstate = drafter.init_state(*params)
 
     def verify_step(tree):
         nodes = jnp.zeros((1, tree.num_nodes - 1), jnp.int32)
         valid = jnp.ones(nodes.shape, bool)
 
-        def step(c):
-            c, _, emitted = verify(target, c, length, last, nodes, valid, config=config, tree=tree)
+        def step(params, c):
+            c, _, emitted = verify(params[0], c, length, last, nodes, valid, config=config, tree=tree)
             return c, emitted
         return step
 
-    def draft_step(c):
-        nodes, _, _, c, _ = drafter.draft(target, draft, c, length, last, dstate, None, decoder.ar.sampling)
+    def draft_step(params, c):
+        nodes, _, _, c, _ = drafter.draft(*params, c, length, last, dstate, None, decoder.ar.sampling)
         return c, nodes
 
     out = {}
-    out["ar_step_ms"], cache = _ms_per_step(verify_step(ROOT_ONLY), cache, repeats)
-    out["draft_step_ms"], cache = _ms_per_step(draft_step, cache, repeats)
+    out["ar_step_ms"], cache = ms_per_step(verify_step(ROOT_ONLY), params, cache, repeats)
+    out["draft_step_ms"], cache = ms_per_step(draft_step, params, cache, repeats)
     for name, tree in (trees or {"verify": drafter.tree}).items():
         key = "verify_step_ms" if name == "verify" else f"verify_{name}_ms"
-        out[key], cache = _ms_per_step(verify_step(tree), cache, repeats)
+        out[key], cache = ms_per_step(verify_step(tree), params, cache, repeats)
     return out
