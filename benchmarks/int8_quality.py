@@ -30,7 +30,6 @@ def main():
     import numpy as np
     from tqdm import tqdm
 
-    from s3djax import cache as kv
     from s3djax import device, model, quant
     from s3djax.bench_data import mt_bench
     from s3djax.loading import load_model
@@ -44,11 +43,7 @@ def main():
     @jax.jit
     def score(params, tokens):
         """Per-position argmax and log-probabilities [B, T, V] of a teacher-forced forward."""
-        b, t = tokens.shape
-        cache = kv.init_cache(m.config, b, t, jnp.float32)
-        slots = jnp.zeros((b,), jnp.int32)
-        hidden, _ = model.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, slots,
-                                  kv.causal_mask(slots, t, t), config=m.config)
+        hidden, _ = model.forward_sequence(params, tokens, config=m.config, cache_dtype=jnp.float32)
         logp = jax.nn.log_softmax(model.logits(params, hidden), axis=-1)
         return logp.argmax(-1), jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
 

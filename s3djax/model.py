@@ -86,6 +86,19 @@ def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfi
     return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
 
 
+def forward_sequence(params, tokens, *, config: ModelConfig, cache_dtype=None):
+    """Whole sequences from position 0 into a fresh cache of their length: (final hidden [B, T, D], cache).
+
+    Teacher-forced scoring and training's context pass; the cache takes the embedding's dtype
+    unless `cache_dtype` says otherwise.
+    """
+    b, t = tokens.shape
+    cache = kv.init_cache(config, b, t, cache_dtype or params["embed"].dtype)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return forward(params, tokens, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), cache, zeros,
+                   kv.causal_mask(zeros, t, t), config=config)
+
+
 def embed(params, tokens):
     return quant.take(params["embed"], tokens)
 

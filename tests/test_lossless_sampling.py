@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from s3djax import cache as kv
 from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
@@ -42,12 +41,7 @@ def exact_joint(params, sampling: Sampling) -> np.ndarray:
     v = SMALL.vocab_size
 
     def dist(rows):
-        rows = jnp.asarray(rows, jnp.int32)
-        b, t = rows.shape
-        cache = kv.init_cache(SMALL, b, t, jnp.float32)
-        slots = jnp.zeros((b,), jnp.int32)
-        hidden, _ = model.forward(params, rows, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, slots,
-                                  kv.causal_mask(slots, t, t), config=SMALL)
+        hidden, _ = model.forward_sequence(params, jnp.asarray(rows, jnp.int32), config=SMALL)
         return np.asarray(jax.nn.softmax(process_logits(model.logits(params, hidden[:, -1]), sampling), -1), np.float64)
 
     grid = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)

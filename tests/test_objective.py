@@ -31,7 +31,7 @@ def setup(config, seed=0):
 
 def training_blocks(params, draft, tokens, config, context=None):
     if context is None:
-        context = ob.context_pass(params, tokens, config=config)[1]
+        context = model.forward_sequence(params, tokens, config=config)[1]
     return ob.block_logits(params, draft, context, tokens, ANCHORS, config=config, plan=PLAN, gamma=GAMMA)
 
 
@@ -52,7 +52,7 @@ def test_training_blocks_equal_the_inference_draft_step(config):
 
 def test_a_block_sees_nothing_at_or_after_its_anchor():
     params, draft, tokens = setup(LLAMA)
-    _, context = ob.context_pass(params, tokens, config=LLAMA)
+    _, context = model.forward_sequence(params, tokens, config=LLAMA)
     base = training_blocks(params, draft, tokens, LLAMA, context)
     first = int(ANCHORS[0, 0])
     # Later data tokens change the context K/V after the first anchor, but not its block.

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from s3djax import model, quant, weights
-from s3djax import cache as kv
 from s3djax.decode import ARDecoder, Runner
 from s3djax.loading import load_model
 from s3djax.skip_plan import SkipPlan
@@ -33,12 +32,7 @@ def test_rounding_is_symmetric_per_output_channel_and_within_half_a_step():
 
 
 def _forward_logits(params, config, tokens):
-    b, t = tokens.shape
-    cache = kv.init_cache(config, b, t, jnp.float32)
-    slots = jnp.zeros((b,), jnp.int32)
-    hidden, _ = model.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, slots,
-                              kv.causal_mask(slots, t, t), config=config)
-    return model.logits(params, hidden)
+    return model.logits(params, model.forward_sequence(params, tokens, config=config, cache_dtype=jnp.float32)[0])
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8-all"])

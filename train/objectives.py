@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import cache as kv
 from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.skip_plan import SkipPlan
@@ -60,15 +59,6 @@ def block_logits(params, draft, context_cache, tokens, anchors, *, config: Model
     return model.logits(params, hidden).reshape(b, a, gamma, -1)
 
 
-def context_pass(params, tokens, *, config: ModelConfig):
-    """The full model over the data: (final hidden [B, T, D], per-layer K/V cache of length T)."""
-    b, t = tokens.shape
-    cache = kv.init_cache(config, b, t, params["embed"].dtype)
-    zeros = jnp.zeros((b,), jnp.int32)
-    return model.forward(params, tokens, jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), cache, zeros,
-                         kv.causal_mask(zeros, t, t), config=config)
-
-
 def _cross_entropy(logits, labels):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1)[..., 0]
 
@@ -82,7 +72,7 @@ def s3d_loss(params, draft, batch, key, *, config: ModelConfig, plan: SkipPlan, 
     count) so that gradient accumulation and devices add up exactly.
     """
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]
-    hidden, context_cache = context_pass(params, tokens, config=config)
+    hidden, context_cache = model.forward_sequence(params, tokens, config=config)
     anchors, valid = sample_anchors(key, loss_mask, lengths, num_anchors)
     draft_logits = block_logits(params, draft, context_cache, tokens, anchors, config=config, plan=plan, gamma=gamma)
 
