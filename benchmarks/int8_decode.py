@@ -76,8 +76,7 @@ def main():
             print(f"{regime}: {name}...", file=sys.stderr, flush=True)
             ms = step_ms(config, params, cache, length)
             base_ms = base_ms or ms
-            stats = jax.devices()[0].memory_stats() or {}
-            in_use = stats.get("bytes_in_use")
+            in_use = device.memory_bytes("bytes_in_use")
             rows.append(f"| {regime} | {name} | {ms:.3f} | {base_ms / ms:.2f}x | "
                         f"{weight_bytes(params, config) / ms / 1e6:.1f} | "
                         f"{weight_bytes(params, config) / ms / 1e6 / (copy_bw / 1e9):.0%} | "
@@ -85,7 +84,7 @@ def main():
                         f"{'-' if in_use is None else f'{in_use / 2**30:.2f}'} |")
             del params, cache
             gc.collect()
-    peak = device.peak_bytes()
+    peak = device.memory_bytes("peak_bytes_in_use")
     table = "\n".join([
         "# Decode step: bf16 against int8 weights",
         "",

@@ -56,30 +56,37 @@ def parse_args(argv=None):
 
 # ------------------------------------------------------------------------------------------ metrics
 
+def pooled_tokens_per_s(runs: list[dict]) -> float:
+    decoded = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    return decoded / decode_s if decode_s > 0 else 0.0
+
+
 def summarize(runs: list[dict], baseline: list[dict] | None, *, depth: int, memory_bytes: int,
-              baseline_memory_bytes: int) -> dict:
+              baseline_memory_bytes: int, greedy: bool = True) -> dict:
     """Aggregate one method's runs over a dataset.
 
     runs: per prompt {tokens, decode_s, ttft_s, accepted_per_step (speculative only)}, in the order
     of `baseline` (ar's runs on the same prompts, None for ar itself). tokens/s is pooled: new tokens
     after the first over total decode time, so long answers weigh as they cost. tau and alpha_k pool
     every verify step. M is the paper's memory-normalised speed: speedup / (memory / ar memory).
+    `identical` (the share of outputs equal to ar's) is None when sampling: outputs then differ by
+    design, and lossless means the same distribution.
     """
     from s3djax.spec.loop import acceptance
 
-    decoded = sum(max(len(r["tokens"]) - 1, 0) for r in runs)
-    decode_s = sum(r["decode_s"] for r in runs)
-    tps = decoded / decode_s if decode_s > 0 else 0.0
+    tps = pooled_tokens_per_s(runs)
     out = {"prompts": len(runs), "new_tokens": sum(len(r["tokens"]) for r in runs), "tokens_per_s": tps,
            "ttft_s": float(np.mean([r["ttft_s"] for r in runs if r["ttft_s"] is not None] or [np.nan])),
            "memory_bytes": memory_bytes}
     if baseline is not None:
-        base = summarize(baseline, None, depth=depth, memory_bytes=baseline_memory_bytes,
-                         baseline_memory_bytes=baseline_memory_bytes)
-        out["speedup"] = tps / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+        base_tps = pooled_tokens_per_s(baseline)
+        out["speedup"] = tps / base_tps if base_tps else 0.0
         out["identical"] = float(np.mean([r["tokens"] == b["tokens"] for r, b in zip(runs, baseline)]))
     else:
         out["speedup"], out["identical"] = 1.0, 1.0
+    if not greedy:
+        out["identical"] = None
     out["memory_normalized_speedup"] = out["speedup"] / (memory_bytes / baseline_memory_bytes)
     steps = [a for r in runs for a in r.get("accepted_per_step", ())]
     if any("accepted_per_step" in r for r in runs):
@@ -222,12 +229,9 @@ def main(argv=None):
                     bar.update()
     ar_memory = methods["ar"].memory_bytes
     summary = {d: {name: summarize(r, None if name == "ar" else runs[d]["ar"], depth=methods[name].depth,
-                                   memory_bytes=methods[name].memory_bytes, baseline_memory_bytes=ar_memory)
+                                   memory_bytes=methods[name].memory_bytes, baseline_memory_bytes=ar_memory,
+                                   greedy=args.temperature == 0)
                    for name, r in per.items()} for d, per in runs.items()}
-    if args.temperature > 0:  # sampled outputs differ by design; lossless means equal distributions
-        for per in summary.values():
-            for s in per.values():
-                s["identical"] = None
     for d, per in summary.items():
         for name, s in per.items():
             if s["identical"] is not None and s["identical"] < 1.0:
@@ -235,7 +239,7 @@ def main(argv=None):
                 print(f"warning: {notes[-1]}", file=sys.stderr)
     record = {"device": device.describe(), "jax": jax.__version__, "commit": git_commit(),
               "date": datetime.date.today().isoformat(), "model": m.name, "quant": m.quant,
-              "peak_device_bytes": device.peak_bytes(),
+              "peak_device_bytes": device.memory_bytes("peak_bytes_in_use"),
               "settings": {k: v for k, v in vars(args).items() if k != "out"},
               "methods": {name: method.about for name, method in methods.items()},
               "notes": notes, "summary": summary, "runs": runs}

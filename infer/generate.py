@@ -107,7 +107,8 @@ def main(argv=None):
     text = tok.decode(result.tokens, skip_special_tokens=True)
     if stream:
         print(flush=True)
-    dev, param_bytes, peak = device.describe(), quant.param_bytes(built.params), device.peak_bytes()
+    dev, param_bytes = device.describe(), quant.param_bytes(built.params)
+    peak = device.memory_bytes("peak_bytes_in_use")
     memory = f"params {param_bytes / 2**20:.0f} MiB ({m.quant})" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
     print(f"[{args.method}] prompt {result.prompt_tokens} tokens, {len(result.tokens)} new tokens, "
           f"{result.tokens_per_s:.1f} tokens/s decode, time to first token {result.ttft_s * 1000:.0f} ms, "

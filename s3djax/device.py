@@ -20,7 +20,7 @@ def describe() -> str:
     return f"{dev.platform.upper()}: {dev.device_kind} (jax {jax.__version__})"
 
 
-def peak_bytes() -> int | None:
-    """The accelerator's peak allocated bytes so far, or None where the backend keeps no statistics (CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def memory_bytes(stat: str) -> int | None:
+    """A device memory statistic ("peak_bytes_in_use": the most allocated so far; "bytes_in_use": now),
+    or None where the backend keeps no statistics (CPU)."""
+    return (jax.devices()[0].memory_stats() or {}).get(stat)

@@ -22,6 +22,8 @@ def test_summary_metrics_by_hand():
     # steps accepting 2, 0 and 1 drafts: 3, 1 and 2 tokens each; 2 of 3 reach depth 1, 1 of those 2 depth 2
     assert s["tau"] == 2.0 and s["verify_steps"] == 3
     assert s["acceptance_by_depth"] == pytest.approx([2 / 3, 1 / 2, 0.0])
+    sampled = benchmark.summarize(runs, ar, depth=3, memory_bytes=150, baseline_memory_bytes=100, greedy=False)
+    assert sampled["identical"] is None and sampled["speedup"] == 2.0
     base = benchmark.summarize(ar, None, depth=0, memory_bytes=100, baseline_memory_bytes=100)
     assert base["speedup"] == 1.0 and base["memory_normalized_speedup"] == 1.0 and "tau" not in base
 
