@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from infer.cli import Parser, run, sampling
+from s3djax.methods import METHODS
 
 DEFAULT_METHODS = "ar,s3d,hf-ar,hf-early-exit,hf-prompt-lookup"
 
@@ -40,10 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--quant", choices=("none", "int8", "int8-all"))
     p.add_argument("--matmul", choices=("xla", "pallas"), default="xla")
     p.add_argument("--attention", choices=("xla", "pallas"), default="xla")
-    p.add_argument("--draft", help="s3d draft file (default: the model's shipped draft; 'none': untrained)")
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--tree", default="chain")
-    p.add_argument("--skip", default="", help="the s3d draft's skip plan (default: the draft's own)")
+    p.add_method_options(several=True)
     p.add_sampling()
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
@@ -113,9 +111,9 @@ class JaxMethod:
         from s3djax import methods, quant
         from s3djax.decode import Runner
 
-        built = methods.build(name, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip if
-                              name != "ar" else "", gamma=args.gamma, tree=args.tree, draft_path=args.draft,
-                              sampling=sampling(args))
+        opts = methods.options(args, name)
+        built = methods.build(name, m, max_cache_len=args.max_cache_len, dtype=args.dtype, sampling=sampling(args),
+                              **{**opts, "skip": opts["skip"] if name != "ar" else ""})
         self.seed = args.seed
         self.warnings, self.about = built.warnings, built.draft
         self.runner = Runner(built.decoder, built.params)
@@ -148,7 +146,7 @@ def build_methods(args, m, prompts_for_tuning, notes):
 
     built, hf = {}, []  # one transformers model serves every peer
     for name in args.methods:
-        if name in ("ar", "s3d"):
+        if name in METHODS:
             built[name] = JaxMethod(name, m, args)
         elif name in peers.PEERS:
             why = peers.unavailable()
@@ -175,7 +173,7 @@ def build_methods(args, m, prompts_for_tuning, notes):
         else:
             from s3djax.errors import UserError
 
-            raise UserError(f"unknown method {name!r}; choose from ar, s3d, {', '.join(peers.PEERS)}")
+            raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS + tuple(peers.PEERS))}")
     return built
 
 

@@ -22,10 +22,34 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--top-p", type=float, default=1.0)
         self.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
 
+    def add_method_options(self, several: bool = False):
+        """The speculative methods' flags; `several`: one run builds several methods (infer.benchmark)."""
+        self.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s '
+                          "plan for s3d (default: about half, around the middle) and self-spec (default: its "
+                          "searched plan), the whole model's for ar (default: none)")
+        artifact = ("the method's trained artifact: s3d's draft (.npz), self-spec's searched plan (.yaml), kangaroo's "
+                    "adapter or s2d's nested draft (.npz); default: the model's shipped one; 'none': untrained "
+                    "(s3d's bare mask token, self-spec's default plan)")
+        self.add_argument("--draft", "--skip-plan", dest="draft", help=artifact + (
+            "; with several methods, METHOD=PATH pairs separated by commas" if several else ""))
+        self.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
+        self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo (6) "
+                          "and s2d (6)")
+        self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "
+                          "candidates at each depth), or a name in configs/trees (s3d)")
+        self.add_argument("--exit-layer", type=int, help="kangaroo: the early-exit layer (default: the adapter's)")
+        self.add_argument("--eta", type=float, default=0.6, help="kangaroo: stop drafting at top-1 confidence <= eta")
+        self.add_argument("--thresholds", help="s2d: per-exit confidence thresholds a,b,c (default: the draft's "
+                          "for this target)")
+        self.add_argument("--target-from", help="s2d: verify with this full-mode s3d draft's fine-tuned layers")
+
     def check(self, args, **valid):
-        """`--flag-name: invalid value` for each flag_name=False, sampling flags included when defined."""
+        """`--flag-name: invalid value` for each flag_name=False, sampling and method flags included when defined."""
         if hasattr(args, "temperature"):
             valid = dict(temperature=args.temperature >= 0, top_k=args.top_k >= 0, top_p=0 < args.top_p <= 1, **valid)
+        if hasattr(args, "max_draft"):
+            valid = dict(max_draft=args.max_draft is None or args.max_draft >= 1, eta=0 <= args.eta <= 1,
+                         gamma=args.gamma >= 1, **valid)
         for name, ok in valid.items():
             if not ok:
                 self.error(f"argument --{name.replace('_', '-')}: invalid value {getattr(args, name)}")

@@ -33,12 +33,7 @@ def parse_args(argv=None):
                    help="int8 matmul: XLA's fused convert, or the Pallas kernel (interpret mode on CPU: slow)")
     p.add_argument("--attention", choices=("xla", "pallas"), default="xla",
                    help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: slow)")
-    p.add_argument("--skip", default="", help='layers to skip, e.g. "8-21" or "3.attn,5-7.mlp": the draft\'s plan '
-                   "for s3d (default: about half, around the middle), the whole model's for ar (default: none)")
-    p.add_argument("--draft", help="trained draft file (.npz) for s3d; default: the model's shipped draft; "
-                   "'none': an untrained mask token")
-    p.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
-    p.add_argument("--tree", default="chain", help="token tree: chain (gamma nodes) or a name in configs/trees")
+    p.add_method_options()
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_sampling()
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object instead of streaming")
@@ -92,9 +87,8 @@ def main(argv=None):
 
     m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
                    quantization=args.quant, matmul=args.matmul)
-    built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, skip=args.skip,
-                          sampling=sampling(args), gamma=args.gamma,
-                          tree=args.tree, draft_path=args.draft)
+    built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype,
+                          sampling=sampling(args), **methods.options(args, args.method))
     for warning in built.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     tok = m.tokenizer

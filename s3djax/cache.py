@@ -30,20 +30,22 @@ def write(layer_cache: dict, k, v, slots) -> dict:
 
 
 class PrefixTreeMask(NamedTuple):
-    """The mask of every decode-time step: the T new tokens sit at slots lengths[b] .. lengths[b]+T-1,
-    and each sees every slot below lengths[b] plus the new tokens its row of `tree` allows.
+    """The mask of every decode-time step: each of T new tokens sees every slot below lengths[b] plus
+    the scratch slots lengths[b] + j its row of `tree` allows.
 
-    The Pallas kernel takes it as is (a run-time length, a T x T mask); XLA attention expands it.
+    Square trees (the T new tokens are the scratch slots) go to the Pallas kernel as they are (a
+    run-time length, a T x T mask). A W-wide tree serves an autoregressive drafter's block, whose
+    tokens sit somewhere inside a W-slot scratch tree; XLA attention expands either.
     """
     lengths: jax.Array  # [B] int32
-    tree: jax.Array     # [B, T, T] bool
+    tree: jax.Array     # [B, T, W] bool
 
     def dense(self, max_len: int):
         """[B, T, S] bool over the cache slots."""
-        b, t, _ = self.tree.shape
+        b, t, w = self.tree.shape
         rel = jnp.arange(max_len)[None, :] - self.lengths[:, None]                  # [B, S]
-        cols = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (b, t, max_len))
-        new = jnp.take_along_axis(self.tree, cols, axis=2) & ((rel >= 0) & (rel < t))[:, None, :]
+        cols = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, max_len))
+        new = jnp.take_along_axis(self.tree, cols, axis=2) & ((rel >= 0) & (rel < w))[:, None, :]
         return (rel < 0)[:, None, :] | new
 
 

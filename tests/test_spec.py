@@ -9,10 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
 from s3djax.spec import tree as trees
 from s3djax.spec.draft_params import init_draft, load_draft, save_draft
+from s3djax.spec.drafters.base import Drafter
 from s3djax.spec.drafters.s3d import S3DDrafter
 from s3djax.spec.loop import SpecDecoder
 from s3djax.spec.tree import TreeSpec
@@ -99,25 +101,20 @@ def spec_runner_cached(config):
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the true continuation (from `draft["reference"]`, indexed by position) along a chain."""
 
+    config: ModelConfig
     tree: TreeSpec
     gamma: int
-
-    def init_state(self, params, draft):
-        return ()
 
     def draft(self, params, draft, cache, length, last, state, key, sampling):
         positions = length[:, None] + jnp.asarray(self.tree.node_depths[1:])[None]
         return draft["reference"][positions], jnp.ones(positions.shape, bool), None, cache, state
 
-    def update(self, state, accepted):
-        return state
-
 
 def oracle_runner(config, params, reference, gamma, eos=(), cache=CACHE):
-    decoder = SpecDecoder.create(ARDecoder(config, cache, eos_ids=eos), OracleDrafter(TreeSpec.chain(gamma), gamma))
+    decoder = SpecDecoder.create(ARDecoder(config, cache, eos_ids=eos), OracleDrafter(config, TreeSpec.chain(gamma), gamma))
     padded = jnp.zeros(cache + gamma + 2, jnp.int32).at[:len(reference)].set(jnp.asarray(reference))
     return Runner(decoder, (params, {"reference": padded}))
 

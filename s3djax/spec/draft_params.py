@@ -5,7 +5,8 @@ and LM head are untouched, so verification always uses the unmodified target. Ad
 see block tokens, because the draft forward only processes blocks (the context comes from the
 target's committed cache).
 
-A draft file is a .npz of the pytree's leaves plus a JSON record of its metadata and shape.
+Draft files (and every drafter's trained artifact) are a .npz of the pytree's leaves plus a JSON
+record of its metadata and shape.
 """
 
 from __future__ import annotations
@@ -64,25 +65,36 @@ def with_layers(params: dict, layers: dict) -> dict:
 
 
 def save_draft(path: str, draft: dict, meta: dict) -> None:
-    """The pytree's shape is stored as JSON with each leaf replaced by its index (empty layers survive)."""
-    leaves, treedef = jax.tree.flatten(draft)
+    """An S3D draft: an artifact whose metadata names its mask-token kind."""
+    save_artifact(path, draft, {"mask_token": MASK_TOKEN_KIND, **meta})
+
+
+def save_artifact(path: str, tree, meta: dict) -> None:
+    """Any drafter's trained parameters as one .npz: the leaves (float32) and a JSON record of the
+    metadata and of the pytree's shape, each leaf replaced by its index (empty layers survive)."""
+    leaves, treedef = jax.tree.flatten(tree)
     structure = jax.tree.unflatten(treedef, list(range(len(leaves))))
-    record = {"mask_token": MASK_TOKEN_KIND, **meta, "structure": structure}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.savez(path, __meta__=np.frombuffer(json.dumps(record).encode(), np.uint8),
+    np.savez(path, __meta__=np.frombuffer(json.dumps({**meta, "structure": structure}).encode(), np.uint8),
              **{f"leaf_{i}": np.asarray(jnp.asarray(leaf, jnp.float32)) for i, leaf in enumerate(leaves)})
 
 
-def load_draft(path: str, config: ModelConfig, dtype) -> tuple[dict, dict]:
+def load_artifact(path: str, dtype, kind: str = "s3djax draft") -> tuple[dict, dict]:
+    """(pytree with leaves in dtype, metadata) of a `save_artifact` file, or a one-line error."""
     if not os.path.isfile(path):
-        raise UserError(f"no such draft file: {path}")
+        raise UserError(f"no such {kind} file: {path}")
     try:
         with np.load(path) as f:
             meta = json.loads(bytes(f["__meta__"]).decode())
             structure = meta.pop("structure")
-            draft = jax.tree.map(lambda i: jnp.asarray(f[f"leaf_{i}"], dtype), structure)
+            tree = jax.tree.map(lambda i: jnp.asarray(f[f"leaf_{i}"], dtype), structure)
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{path} is not an s3djax draft file ({e})") from None
+        raise UserError(f"{path} is not an {kind} file ({e})") from None
+    return tree, meta
+
+
+def load_draft(path: str, config: ModelConfig, dtype) -> tuple[dict, dict]:
+    draft, meta = load_artifact(path, dtype)
     if meta.get("mask_token") != MASK_TOKEN_KIND:
         raise UserError(f"{path}: unsupported mask token kind {meta.get('mask_token')!r}")
     if draft["mask_embed"].shape != (config.hidden_size,):

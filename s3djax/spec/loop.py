@@ -19,7 +19,6 @@ import numpy as np
 
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
-from s3djax.spec.verify import verify
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +49,16 @@ class SpecDecoder:
             raise UserError("speculative decoding runs one sequence at a time")
         target, draft = params
         state = self.ar.start(target, prompt, lengths, key)
-        # Per verify step, the number of drafts accepted (-1: no step yet); at most one step per token.
-        return {**state, "drafter": self.drafter.init_state(target, draft),
-                "accepted_log": jnp.full(self.ar.max_cache_len, -1, jnp.int32), "iteration": jnp.int32(0)}
+        # Per verify step, the drafts accepted and the depth drafted (-1: no step yet); at most one step per token.
+        log = jnp.full(self.ar.max_cache_len, -1, jnp.int32)
+        return {**state, "drafter": self.drafter.init_state(target, draft, prompt, lengths, state["cache"]),
+                "accepted_log": log, "drafted_log": log, "iteration": jnp.int32(0)}
 
     def decode(self, params, state, stop_at):
         target, draft = params
         tree, drafter, s_max = self.drafter.tree, self.drafter, self.ar.max_cache_len
-        config, width, sampling = self.ar.config, tree.depth + 1, self.ar.sampling
+        width, sampling = tree.depth + 1, self.ar.sampling
+        node_depths = jnp.asarray(tree.node_depths[1:])
 
         def cond(s):
             return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
@@ -66,25 +67,29 @@ class SpecDecoder:
             key, draft_key, verify_key = jax.random.split(s["key"], 3)
             nodes, valid, child_probs, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"],
                                                                      s["drafter"], draft_key, sampling)
-            cache, accepted, emitted = verify(target, cache, s["length"], s["last"], nodes, valid, config=config,
-                                              tree=tree, sampling=sampling, child_probs=child_probs, key=verify_key)
+            cache, accepted, emitted, path, dstate = drafter.verify(target, draft, cache, s["length"], s["last"], nodes,
+                                                                    valid, child_probs, dstate, verify_key, sampling)
+            dstate = drafter.update(dstate, s["length"], accepted, path, emitted)
             # Tokens after an EOS inside the accepted path are dropped.
             live = jnp.arange(width)[None] <= accepted[:, None]
             eos = self.ar.is_eos(emitted) & live
             n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
+            drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
             return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
                     "cache": cache, "step": s["step"] + n_out[0],
                     "last": emitted[jnp.arange(emitted.shape[0]), n_out - 1], "length": s["length"] + accepted + 1,
-                    "done": s["done"] | eos.any(1), "drafter": drafter.update(dstate, accepted),
+                    "done": s["done"] | eos.any(1), "drafter": dstate,
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
+                    "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
                     "iteration": s["iteration"] + 1, "key": key}
 
         return jax.lax.while_loop(cond, body, state)
 
     def stats(self, state) -> dict:
-        log = np.asarray(state["accepted_log"])
-        return acceptance(log[log >= 0], self.drafter.tree.depth)
+        log, drafted = np.asarray(state["accepted_log"]), np.asarray(state["drafted_log"])
+        return {**acceptance(log[log >= 0], self.drafter.tree.depth),
+                "mean_drafted": float(drafted[drafted >= 0].mean()) if (drafted >= 0).any() else 0.0}
 
 
 def acceptance(accepted, depth: int) -> dict:

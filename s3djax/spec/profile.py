@@ -47,16 +47,15 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
                repeats: int = 10) -> dict[str, float]:
     """Milliseconds for the AR step, the draft step and the verify step (of each tree given, default the
     decoder's), at the state's committed length. The state's cache is consumed."""
-    config, drafter = decoder.ar.config, decoder.drafter
-    cache, length, last = state["cache"], state["length"], state["last"]
-    dstate = drafter.init_state(*params)
+    drafter = decoder.drafter
+    cache, length, last, dstate = state["cache"], state["length"], state["last"], state["drafter"]
 
     def verify_step(tree):
         nodes = jnp.zeros((1, tree.num_nodes - 1), jnp.int32)
         valid = jnp.ones(nodes.shape, bool)
 
         def step(params, c):
-            c, _, emitted = verify(params[0], c, length, last, nodes, valid, config=config, tree=tree)
+            c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config, tree=tree)
             return c, emitted
         return step
 

@@ -44,6 +44,20 @@ class TreeSpec:
             raise UserError(f"invalid tree: a chain needs gamma >= 1, got {gamma}")
         return cls(tuple((0,) * d for d in range(1, gamma + 1)))
 
+    @classmethod
+    def spine(cls, depth: int, width: int) -> "TreeSpec":
+        """An autoregressive drafter's tree: a chain of rank-0 tokens, and at every depth the
+        next-ranked candidates as leaves beside it (width 1 is the chain)."""
+        if depth < 1 or width < 1:
+            raise UserError(f"invalid tree: depth and width must be at least 1, got {depth} and {width}")
+        return cls(tuple((0,) * (d - 1) + (r,) for d in range(1, depth + 1) for r in range(width)))
+
+    @property
+    def spine_width(self) -> int | None:
+        """The width if this is a spine tree (chain included), else None."""
+        width = self.max_rank + 1
+        return width if self == TreeSpec.spine(self.depth, width) else None
+
     @property
     def path_table(self) -> np.ndarray:
         """[N, depth + 1]: row i lists node i's ancestors by depth (root first), padded with i itself."""
@@ -122,12 +136,15 @@ def named_trees() -> dict[str, list]:
 
 
 def resolve(name: str, gamma: int) -> TreeSpec:
-    """`chain` is a chain of gamma nodes; other names come from configs/trees/."""
+    """`chain` is a chain of gamma nodes, `topK` (top2, top3, ...) a gamma-deep spine of width K;
+    other names come from configs/trees/."""
     if name == "chain":
         return TreeSpec.chain(gamma)
+    if name.startswith("top") and name[3:].isdigit() and int(name[3:]) >= 1:
+        return TreeSpec.spine(gamma, int(name[3:]))
     trees = named_trees()
     if name not in trees:
-        raise UserError(f"unknown tree {name!r}; known trees: chain, {', '.join(trees)}")
+        raise UserError(f"unknown tree {name!r}; known trees: chain, topK (top2, top3, ...), {', '.join(trees)}")
     tree = TreeSpec.from_paths(trees[name])
     if tree.depth > gamma:
         raise UserError(f"tree {name} is {tree.depth} deep but --gamma is {gamma}; raise --gamma to {tree.depth}")

@@ -86,21 +86,25 @@ def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeSpec):
     return cur, final
 
 
-def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeSpec,
-           sampling: Sampling = Sampling(), child_probs=None, key=None):
-    """Returns (cache with the accepted path committed, accepted drafts a [B], emitted tokens [B, D+1]).
+def score(params, cache, length, last, nodes, *, config: ModelConfig, tree: TreeSpec):
+    """The full target over [root + nodes]: (logits [B, N, V], cache with every node's K/V in its scratch slot)."""
+    tokens = jnp.concatenate([last[:, None], nodes], axis=1)
+    positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
+    hidden, cache = model.forward(params, tokens, positions, cache, length, tree_mask(length, tree), config=config)
+    return model.logits(params, hidden), cache
+
+
+def accept(logits, last, nodes, valid, *, tree: TreeSpec, sampling: Sampling = Sampling(), child_probs=None,
+           key=None):
+    """The target's verdict on a drafted tree: (accepted drafts a [B], emitted [B, D+1], path [B, D+1]).
 
     emitted[:, :a+1] are the a accepted tokens followed by the bonus token (greedy: the target's
     argmax after the deepest accepted node; sampled: a draw from the target, or from the residual
-    where a draft was rejected); the rest is padding. Sampling needs the drafter's `child_probs`
-    and a PRNG `key`.
+    where a draft was rejected); the rest is padding. `path` lists the accepted nodes root first.
+    Sampling needs the drafter's `child_probs` and a PRNG `key`.
     """
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
     depths = jnp.asarray(tree.node_depths)
-    positions = length[:, None] + depths[None]
-    mask = tree_mask(length, tree)
-    hidden, cache = model.forward(params, tokens, positions, cache, length, mask, config=config)
-    logits = model.logits(params, hidden)
     valid = jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], 1)
     if sampling.greedy:
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -114,7 +118,16 @@ def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tr
         path = jnp.asarray(tree.path_table)[deepest]
         drafted = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, -1:]], 1), 1)
         emitted = jnp.where(jnp.arange(tree.depth + 1)[None] == depths[deepest][:, None], final[:, None], drafted)
-    return commit_path(cache, length, path, tree.num_nodes), depths[deepest], emitted
+    return depths[deepest], emitted, path
+
+
+def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeSpec,
+           sampling: Sampling = Sampling(), child_probs=None, key=None):
+    """score + accept + commit: (cache with the accepted path committed, accepted [B], emitted, path)."""
+    logits, cache = score(params, cache, length, last, nodes, config=config, tree=tree)
+    accepted, emitted, path = accept(logits, last, nodes, valid, tree=tree, sampling=sampling,
+                                     child_probs=child_probs, key=key)
+    return commit_path(cache, length, path, tree.num_nodes), accepted, emitted, path
 
 
 def commit_path(cache, length, path, num_nodes: int):

@@ -1,13 +1,19 @@
-"""Drafters: each proposes the tokens of a static tree's nodes; verify, accept and commit are shared.
+"""Drafters: each proposes the tokens of a static tree's nodes; accept and commit are shared.
 
-The interface (duck-typed; every drafter is a frozen dataclass, so it is a static jit argument):
+The interface (every drafter is a frozen dataclass, so it is a static jit argument; `Drafter` has
+the defaults):
 - `tree`: the static TreeSpec it fills, and `gamma`, how many positions ahead it looks;
-- `init_state(params, draft)`: the drafter's own loop state (thresholds, adapter caches), a pytree;
+- `init_state(params, draft, prompt, lengths, cache)`: the drafter's own loop state (thresholds,
+  its own caches), a pytree, built after the target's prefill of the prompt into `cache`;
 - `draft(params, draft, cache, length, last, state, key, sampling) -> (node_tokens [B, N-1], valid [B, N-1],
   child_probs, cache, state)`: propose tokens for the tree's non-root nodes. `valid` masks nodes left
   unproposed (adaptive draft lengths are masked, never recompiled). Writes into cache slots >= length
   are scratch: verify overwrites them. Greedy: `child_probs` is None and `key` unused. Sampling: each
   node's children must be draws from a distribution q, in rank order and without replacement, and
   `child_probs` [B, N, V] gives each node's q (root included), which lossless acceptance needs;
-- `update(state, accepted [B]) -> state`: learn from how many drafted tokens verify accepted.
+- `verify(params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling)
+  -> (cache, accepted [B], emitted [B, D+1], path [B, D+1], state)`: the full target's verdict, by
+  default one forward over the whole tree (Kangaroo reuses its shallow layers' work instead);
+- `update(state, length, accepted, path, emitted) -> state`: learn from the verdict, and move
+  drafter-owned caches' accepted entries the way the target's cache was (`verify.commit_path`).
 """

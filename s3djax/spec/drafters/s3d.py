@@ -13,18 +13,16 @@ from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
+from s3djax.spec.drafters.base import Drafter
 from s3djax.spec.tree import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class S3DDrafter:
+class S3DDrafter(Drafter):
     config: ModelConfig
     plan: SkipPlan
     tree: TreeSpec
     gamma: int
-
-    def init_state(self, params, draft):
-        return ()
 
     def block_logits(self, params, draft, cache, length, last):
         """Logits [B, gamma, V] for positions length+1 .. length+gamma, and the cache with scratch writes.
@@ -57,6 +55,3 @@ class S3DDrafter:
         nodes, valid = candidates[at].astype(jnp.int32), jnp.isfinite(scores[at])     # q(x) = 0 is no draw
         child_probs = jnp.exp(logq)[:, np.minimum(self.tree.node_depths, self.gamma - 1)]  # node -> q of depth + 1
         return nodes, valid, child_probs, cache, state
-
-    def update(self, state, accepted):
-        return state

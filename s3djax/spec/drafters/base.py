@@ -1,0 +1,19 @@
+"""The drafter defaults: no state of its own, verification by the whole target."""
+
+from __future__ import annotations
+
+from s3djax.sampling import Sampling
+from s3djax.spec.verify import verify
+
+
+class Drafter:
+    def init_state(self, params, draft, prompt, lengths, cache):
+        return ()
+
+    def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
+        cache, accepted, emitted, path = verify(params, cache, length, last, nodes, valid, config=self.config,
+                                                tree=self.tree, sampling=sampling, child_probs=child_probs, key=key)
+        return cache, accepted, emitted, path, state
+
+    def update(self, state, length, accepted, path, emitted):
+        return state

@@ -1,0 +1,97 @@
+"""Autoregressive drafting, one depth per forward, shared by Self-Spec, Kangaroo and S2D.
+
+The tree is a spine (`TreeSpec.spine`): a chain of rank-0 tokens with the next-ranked candidates as
+leaves beside it, width 1 being the plain chain. Block 0 is the root; block d (1 <= d <= depth) is
+every node at depth d, which sit in consecutive scratch slots, so one forward runs them together and
+each sees the committed prefix and its own ancestors. Only the chain node's logits propose depth
+d + 1; a leaf is run too so that, if verify commits it, the drafter's own caches hold its K/V.
+
+Drafting stops, inside the jitted loop and without recompiling, once the subclass's confidence test
+fails or the tree is full; the depths left are masked invalid.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from s3djax import cache as kv
+from s3djax.cache import PrefixTreeMask
+from s3djax.errors import UserError
+from s3djax.sampling import Sampling, process_logits
+from s3djax.spec.drafters.base import Drafter
+from s3djax.spec.tree import TreeSpec
+
+
+def check_spine(tree: TreeSpec, method: str) -> TreeSpec:
+    if tree.spine_width is None:
+        raise UserError(f"{method} drafts one token after another, so its tree must be chain or topK (top2, ...)")
+    return tree
+
+
+class ChainDrafter(Drafter):
+    """Subclasses are frozen dataclasses with `config` and `tree`, and define:
+    - `block(params, draft, cache, state, tokens [B, T], positions [B, T], slot [B], mask [B, T, S])
+      -> (logits of the block's first token [B, V], cache, state)`;
+    - `confident(state, probs [B, V]) -> [B] bool`: whether to draft the next depth from probs.
+    `process_last_block`: run the deepest block too (its K/V or exit states are needed later).
+    """
+    process_last_block = False
+
+    @property
+    def gamma(self) -> int:
+        return self.tree.depth
+
+    def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
+        tree = self.tree
+        k, depth, b = tree.max_rank + 1, tree.depth, last.shape[0]
+        ancestors = jnp.asarray(tree.ancestors)
+        keys = jax.random.split(key if key is not None else jax.random.key(0), depth + 1)
+
+        def run(d, tokens, cache, state):
+            first = jnp.where(d == 0, 0, 1 + (d - 1) * k)  # node index of the block's chain token
+            rows = jax.lax.dynamic_slice_in_dim(ancestors, first, tokens.shape[1], axis=0)
+            mask = PrefixTreeMask(length, jnp.broadcast_to(rows, (b,) + rows.shape)).dense(kv.cache_len(cache))
+            positions = jnp.broadcast_to(length[:, None] + d, tokens.shape)
+            return self.block(params, draft, cache, state, tokens, positions, length + first, mask)
+
+        def propose(d, logits, nodes, valid, child_probs, going, state):
+            """Candidates for depth d + 1 from the chain node at depth d."""
+            if sampling.greedy:
+                probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+                candidates, ok = jax.lax.top_k(logits, k)[1], jnp.ones((b, k), bool)
+            else:
+                logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)
+                probs = jnp.exp(logq)
+                # Gumbel-top-k: k draws from q without replacement, in the order verification tries them.
+                scores, candidates = jax.lax.top_k(logq + jax.random.gumbel(keys[d], logq.shape), k)
+                ok = jnp.isfinite(scores)
+                child_probs = child_probs.at[:, jnp.where(d == 0, 0, 1 + (d - 1) * k)].set(probs)
+            going = going & self.confident(state, probs)
+            nodes = jax.lax.dynamic_update_slice(nodes, candidates.astype(jnp.int32), (0, d * k))
+            valid = jax.lax.dynamic_update_slice(valid, ok & going[:, None], (0, d * k))
+            return nodes, valid, child_probs, going
+
+        n = tree.num_nodes
+        nodes, valid = jnp.zeros((b, n - 1), jnp.int32), jnp.zeros((b, n - 1), bool)
+        child_probs = None if sampling.greedy else jnp.zeros((b, n, self.config.vocab_size), jnp.float32)
+        logits, cache, state = run(0, last[:, None], cache, state)
+        nodes, valid, child_probs, going = propose(0, logits, nodes, valid, child_probs, jnp.ones(b, bool), state)
+        last_block = depth if self.process_last_block else depth - 1
+
+        def cond(c):
+            return (c[0] <= last_block) & jnp.any(c[4])
+
+        def body(c):
+            d, nodes, valid, child_probs, going, cache, state = c
+            tokens = jax.lax.dynamic_slice_in_dim(nodes, (d - 1) * k, k, axis=1)
+            logits, cache, state = run(d, tokens, cache, state)
+            proposed = propose(d, logits, nodes, valid, child_probs, going, state)
+            # The deepest block proposes nothing: it only ran for the caches.
+            nodes, valid, child_probs, going = jax.tree.map(lambda new, old: jnp.where(d < depth, new, old), proposed,
+                                                            (nodes, valid, child_probs, going & (d < depth)))
+            return d + 1, nodes, valid, child_probs, going, cache, state
+
+        _, nodes, valid, child_probs, _, cache, state = jax.lax.while_loop(
+            cond, body, (jnp.int32(1), nodes, valid, child_probs, going, cache, state))
+        return nodes, valid, child_probs, cache, state

@@ -1,0 +1,101 @@
+"""Draft & Verify (Self-Spec, Zhang et al. 2024): the target with some attention and MLP sub-layers
+skipped drafts one token at a time, until its top-1 probability falls below an adaptive threshold.
+
+Training-free: the draft is the target's own weights. It reads and writes the target's cache, so
+kept attention layers see the committed context as it is; the sub-layers it skips need no K/V.
+The threshold follows the paper's Eq. 2-4 after every verify step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import yaml
+
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.errors import UserError
+from s3djax.skip_plan import DynamicPlan, SkipPlan
+from s3djax.spec.drafters.chain import ChainDrafter
+from s3djax.spec.tree import TreeSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveThreshold:
+    """The paper's defaults (its Table 6, MT-Bench row): start at 0.6, target acceptance 0.85."""
+    initial: float = 0.6
+    target: float = 0.85  # alpha
+    step: float = 0.01    # epsilon
+    beta1: float = 0.5    # smoothing of the acceptance rate
+    beta2: float = 0.9    # smoothing of the threshold
+
+    def init(self):
+        return {"threshold": jnp.float32(self.initial), "rate": jnp.float32(0.0), "stages": jnp.int32(0)}
+
+    def update(self, state, accepted, drafted):
+        """One verify stage: rate <- b1 rate + (1 - b1) accepted/drafted (b1 = 0 at the first stage);
+        threshold <- b2 threshold + (1 - b2) (threshold + eps if rate <= alpha else threshold - eps).
+
+        A stage that drafted nothing carries no acceptance rate and leaves both unchanged. The
+        threshold stays in [0, 1]: above 1 nothing would ever be drafted again.
+        """
+        drafted_any = drafted > 0
+        stage_rate = accepted / jnp.maximum(drafted, 1)
+        beta1 = jnp.where(state["stages"] == 0, 0.0, self.beta1)
+        rate = beta1 * state["rate"] + (1 - beta1) * stage_rate
+        proposal = jnp.where(rate <= self.target, state["threshold"] + self.step, state["threshold"] - self.step)
+        threshold = jnp.clip(self.beta2 * state["threshold"] + (1 - self.beta2) * proposal, 0.0, 1.0)
+        return {"threshold": jnp.where(drafted_any, threshold, state["threshold"]).astype(jnp.float32),
+                "rate": jnp.where(drafted_any, rate, state["rate"]).astype(jnp.float32),
+                "stages": state["stages"] + drafted_any.astype(jnp.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfSpecDrafter(ChainDrafter):
+    config: ModelConfig
+    plan: SkipPlan | None  # None: the plan is traced, from the draft params {"attn", "mlp"} (the search)
+    tree: TreeSpec
+    threshold: AdaptiveThreshold = AdaptiveThreshold()
+
+    def init_state(self, params, draft, prompt, lengths, cache):
+        return {**self.threshold.init(), "drafted": jnp.zeros(prompt.shape[:1], jnp.int32)}
+
+    def block(self, params, draft, cache, state, tokens, positions, slot, mask):
+        plan = self.plan if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
+        hidden, cache = model.forward(params, tokens, positions, cache, slot, mask, config=self.config, plan=plan)
+        return model.logits(params, hidden[:, 0]), cache, state
+
+    def confident(self, state, probs):
+        return jnp.max(probs, axis=-1) >= state["threshold"]
+
+    def draft(self, params, draft, cache, length, last, state, key, sampling):
+        nodes, valid, child_probs, cache, state = super().draft(params, draft, cache, length, last, state, key, sampling)
+        chain = valid[:, ::self.tree.max_rank + 1]  # the chain node of each depth
+        return nodes, valid, child_probs, cache, {**state, "drafted": chain.sum(1).astype(jnp.int32)}
+
+    def update(self, state, length, accepted, path, emitted):
+        # Batch size is 1 in speculative decoding: the threshold is the row's.
+        return {**self.threshold.update(state, accepted[0], state["drafted"][0]), "drafted": state["drafted"]}
+
+
+def save_plan(path: str, plan: SkipPlan, meta: dict) -> None:
+    """A searched plan as YAML: the skip spec string (as --skip takes it) and how it was found."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump({"skip": plan.spec(), "num_layers": plan.num_layers, **meta}, f, sort_keys=False)
+
+
+def load_plan(path: str, num_layers: int) -> SkipPlan:
+    if not os.path.isfile(path):
+        raise UserError(f"no such skip plan file: {path}")
+    try:
+        with open(path) as f:
+            record = yaml.safe_load(f)
+        spec = record["skip"]
+    except (yaml.YAMLError, TypeError, KeyError) as e:
+        raise UserError(f"{path} is not a skip plan file (a YAML mapping with a 'skip' entry): {e}") from None
+    if record.get("num_layers", num_layers) != num_layers:
+        raise UserError(f"{path} is a plan for {record['num_layers']} layers, not this model's {num_layers}")
+    return SkipPlan.parse(spec, num_layers)
