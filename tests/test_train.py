@@ -12,7 +12,7 @@ import pytest
 
 from tiny import tiny_config, tiny_model
 from train import prepare_data
-from train.s3d import train
+from train.s3d import train_draft as train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -63,7 +63,7 @@ def test_sigkill_then_the_same_command_resumes_identically(data, tmp_path):
     killed = python(f"""
 import os, signal
 from tiny import tiny_config, tiny_model
-from train.s3d import train
+from train.s3d import train_draft as train
 def kill(step):
     if step == 5:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -89,7 +89,7 @@ def test_four_devices_give_the_same_training_as_one(data, tmp_path):
     r = python(f"""
 import json, jax
 from tiny import tiny_config, tiny_model
-from train.s3d import train
+from train.s3d import train_draft as train
 out = {{}}
 for name, devices, fsdp in (("one", jax.devices()[:1], False), ("dp", None, False), ("fsdp", None, True)):
     res = train(tiny_config({data!r}, {str(tmp_path)!r} + "/" + name, steps=3, fsdp=fsdp), loaded=tiny_model(),

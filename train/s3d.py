@@ -9,38 +9,15 @@ Writes to `out`: checkpoints/, metrics.jsonl, loss.png, config.json and draft.np
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import math
 import os
-import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.experimental import multihost_utils
-
-from infer.cli import Parser, run
-from s3djax.errors import UserError
+from infer.cli import run
+from s3djax.config import ModelConfig
 from s3djax.skip_plan import SkipPlan
-from train import sharding
-from train.config import RESUMABLE_CHANGES, TrainConfig
+from train.config import TrainConfig
+from train import loop
 from train.objectives import s3d_loss
-from train.shards import Shards
 from train.trainable import assemble, init_trainable
-
-
-def optimizer(cfg: TrainConfig):
-    """AdamW with linear warm-up then the schedule, global-norm clipping, and accumulation over micro-steps."""
-    decay = max(cfg.steps - cfg.warmup_steps, 1)
-    after = {"cosine": optax.cosine_decay_schedule(cfg.lr, decay),
-             "linear": optax.linear_schedule(cfg.lr, 0.0, decay),
-             "constant": optax.constant_schedule(cfg.lr)}[cfg.schedule]
-    lr = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), after], [cfg.warmup_steps])
-    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), optax.adamw(lr, weight_decay=cfg.weight_decay))
-    return optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum), lr
 
 
 def draft_plan(cfg: TrainConfig, num_layers: int) -> SkipPlan:
@@ -50,226 +27,44 @@ def draft_plan(cfg: TrainConfig, num_layers: int) -> SkipPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class Trainer:
-    """Static settings of the jitted steps (gemma's pattern: `self` is a static argument)."""
+class S3DTask:
     cfg: TrainConfig
-    config: object
+    config: ModelConfig
     plan: SkipPlan
     num_anchors: int
+    name = "s3d"
 
-    @property
-    def dtype(self):
-        return jnp.bfloat16 if self.cfg.compute_dtype == "bfloat16" else jnp.float32
+    @classmethod
+    def create(cls, m, cfg: TrainConfig, max_len: int) -> "S3DTask":
+        return cls(cfg, m.config, draft_plan(cfg, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
+
+    def init_trainable(self, m, cfg: TrainConfig, key):
+        return init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key)
 
     def loss(self, trainable, frozen, batch, key):
-        params, draft = assemble(jax.tree.map(lambda x: x.astype(self.dtype), trainable), frozen)
-        return s3d_loss(params, draft, batch, key, config=self.config, plan=self.plan, gamma=self.cfg.gamma,
-                        num_anchors=self.num_anchors, target=self.cfg.target,
-                        lm_weight=self.cfg.lm_weight if self.cfg.mode == "full" else 0.0)
+        params, draft = assemble(trainable, frozen)
+        cfg = self.cfg
+        return s3d_loss(params, draft, batch, key, config=self.config, plan=self.plan, gamma=cfg.gamma,
+                        num_anchors=self.num_anchors, target=cfg.target,
+                        lm_weight=cfg.lm_weight if cfg.mode == "full" else 0.0)
 
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def train_step(self, state, frozen, batch):
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed), state["micro_step"])
-        (loss, sums), grads = jax.value_and_grad(self.loss, has_aux=True)(state["trainable"], frozen, batch, key)
-        updates, opt_state = optimizer(self.cfg)[0].update(grads, state["opt_state"], state["trainable"])
-        new = {"trainable": optax.apply_updates(state["trainable"], updates), "opt_state": opt_state,
-               "micro_step": state["micro_step"] + 1}
-        return new, loss, sums
+    def export(self, out, trained, meta):
+        from s3djax.spec.draft_params import save_draft
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def eval_step(self, trainable, frozen, batch, index):
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), index)  # fixed anchors: comparable evals
-        return self.loss(trainable, frozen, batch, key)[1]
+        path = os.path.join(out, "draft.npz")
+        cfg = self.cfg
+        save_draft(path, trained, {**meta, "skip": self.plan.spec(), "gamma": cfg.gamma, "mode": cfg.mode,
+                                   "lora_rank": cfg.lora_rank, "target": cfg.target})
+        return path
 
 
-def summarize(sums: dict) -> dict:
-    count = np.maximum(sums["depth_count"], 1.0)
-    out = {"loss": float(np.sum(sums["depth_loss"]) / max(float(np.sum(sums["depth_count"])), 1.0)),
-           "depth_loss": [round(float(x), 4) for x in sums["depth_loss"] / count],
-           "depth_acc": [round(float(x), 4) for x in sums["depth_correct"] / count]}
-    if "lm_loss" in sums:
-        out["lm_loss"] = float(sums["lm_loss"] / max(float(sums["lm_count"]), 1.0))
-    return out
-
-
-class Metrics:
-    """metrics.jsonl; on resume, records past the restored step are dropped so the log stays one run.
-    Only the first process of a multi-host job writes files."""
-
-    def __init__(self, path: str, resume_step: int):
-        self.path, self.records, self.writer = path, [], jax.process_index() == 0
-        if os.path.exists(path):
-            with open(path) as f:
-                self.records = [r for r in map(json.loads, filter(str.strip, f)) if r["step"] <= resume_step]
-        if self.writer:
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-        if self.writer:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def check_resumable(cfg: TrainConfig, out: str) -> None:
-    path = os.path.join(out, "config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            before = json.load(f)
-        changed = sorted(k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and before.get(k) != v)
-        if changed:
-            raise UserError(f"{out} holds a run with different settings ({', '.join(changed)}); "
-                            "rerun with the same config to resume, or choose another out")
-    os.makedirs(out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
-
-
-def plot(records: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    for split, style in (("train", "-"), ("eval", "o-")):
-        rs = [r for r in records if r["split"] == split]
-        if rs:
-            ax[0].plot([r["step"] for r in rs], [r["loss"] for r in rs], style, label=split)
-            for d in range(len(rs[0]["depth_acc"])) if split == "eval" else ():
-                ax[1].plot([r["step"] for r in rs], [r["depth_acc"][d] for r in rs], style, label=f"depth {d + 1}")
-    ax[0].set(xlabel="step", ylabel="block loss", title="loss")
-    ax[1].set(xlabel="step", ylabel="top-1 = full model's greedy", title="held-out draft accuracy")
-    for a in ax:
-        a.legend()
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def train(cfg: TrainConfig, loaded=None, progress: bool = True, devices=None, on_step=None) -> dict:
-    """Run (or resume) training to cfg.steps and export the draft; returns {"records", "trainable"}.
-
-    `loaded` injects a LoadedModel instead of loading cfg.model; `devices` restricts the mesh;
-    `on_step(step)` is called after each optimizer step and its checkpoint.
-    """
-    import orbax.checkpoint as ocp
-    from tqdm import tqdm
-
-    from s3djax.device import describe
-    from s3djax.loading import load_model
-    from s3djax.spec.draft_params import save_draft
-
-    sharding.maybe_initialize_distributed()
-    out = os.path.abspath(cfg.out)
-    check_resumable(cfg, out)
-    data, held_out = Shards(cfg.data, "train"), Shards(cfg.data, "eval")
-    m = loaded or load_model(cfg.model, checkpoint=cfg.checkpoint, dtype="float32", progress=progress)
-    if data.manifest["vocab_size"] > m.config.vocab_size:
-        raise UserError(f"{cfg.data} was tokenized for a {data.manifest['vocab_size']}-token vocabulary; "
-                        f"{m.name} has {m.config.vocab_size}")
-    plan = draft_plan(cfg, m.config.num_layers)
-    max_len = data.tokens.shape[1]
-    trainer = Trainer(cfg, m.config, plan, max(1, round(cfg.anchor_fraction * max_len)))
-    mesh = sharding.make_mesh(devices)
-    sharding.check_batch(cfg.batch_size, mesh)
-
-    def place(tree):
-        return jax.device_put(tree, sharding.param_sharding(mesh, tree, cfg.fsdp))
-
-    trainable = init_trainable(m.params, m.config, plan, cfg.mode, cfg.lora_rank, jax.random.key(cfg.seed))
-    trainable = jax.tree.map(lambda x: x.astype(jnp.float32), trainable)
-    tx, lr = optimizer(cfg)
-    state = place({"trainable": trainable, "opt_state": tx.init(trainable),
-                   "micro_step": jnp.zeros((), jnp.int32)})
-    frozen = place(jax.tree.map(lambda x: x.astype(trainer.dtype), m.params))
-
-    mngr = ocp.CheckpointManager(os.path.join(out, "checkpoints"),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
-    start = mngr.latest_step() or 0
-    if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-    metrics = Metrics(os.path.join(out, "metrics.jsonl"), start)
-
-    def evaluate(step):
-        total = None
-        for i in range(cfg.eval_batches):
-            rows = held_out.rows(np.arange(i * cfg.batch_size, (i + 1) * cfg.batch_size) % len(held_out))
-            sums = trainer.eval_step(state["trainable"], frozen, sharding.global_batch(rows, mesh), i)
-            total = sums if total is None else jax.tree.map(jnp.add, total, sums)
-        record = {"step": step, "split": "eval", **summarize(jax.device_get(total))}
-        metrics.write(record)
-        return record
-
-    bar = tqdm(total=cfg.steps, initial=start, desc="training", unit="step", file=sys.stderr, disable=not progress)
-    say = bar.write if progress else (lambda line: None)
-    if start:
-        say(f"resumed from step {start} in {out}")
-    if start == 0:  # the untrained draft's figures start the held-out curve
-        say(f"step 0: held-out accuracy by depth {evaluate(0)['depth_acc']}")
-    window, tokens, tic = None, 0, time.perf_counter()
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            for _ in range(cfg.grad_accum):
-                micro = int(state["micro_step"])
-                rows = data.batch(cfg.seed, micro, cfg.batch_size)
-                state, loss, sums = trainer.train_step(state, frozen, sharding.global_batch(rows, mesh))
-                window = sums if window is None else jax.tree.map(jnp.add, window, sums)
-                tokens += int(rows["lengths"].sum())
-            loss = float(loss)
-            if not math.isfinite(loss):
-                mngr.wait_until_finished()
-                raise UserError(f"loss became {loss} at step {step}; stopping without saving. The last checkpoint "
-                                f"(step {mngr.latest_step() or 'none'}) is intact: lower lr or use compute_dtype=float32")
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                s = summarize(jax.device_get(window))
-                rate = tokens / (time.perf_counter() - tic)
-                metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
-                               "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
-                bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
-                window, tokens, tic = None, 0, time.perf_counter()
-            if step % cfg.eval_every == 0 or step == cfg.steps:
-                e = evaluate(step)
-                say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
-            if step % cfg.save_every == 0 or step == cfg.steps:
-                mngr.save(step, args=ocp.args.StandardSave(state))
-            bar.update()
-            if on_step:
-                on_step(step)
-    finally:  # Ctrl-C or an error still lets the checkpoint under way finish
-        bar.close()
-        mngr.wait_until_finished()
-    # Exported on every finishing run, so rerunning a finished command re-exports its draft.
-    evals = [r for r in metrics.records if r["split"] == "eval"]
-    final = evals[-1] if evals else evaluate(cfg.steps)
-    meta = {"model": m.name, "skip": plan.spec(), "gamma": cfg.gamma, "mode": cfg.mode, "lora_rank": cfg.lora_rank,
-            "target": cfg.target, "steps": cfg.steps, "trained_on": describe(),
-            "held_out_depth_acc": final["depth_acc"], "config": cfg.to_dict()}
-    mngr.close()
-    # Multi-host FSDP arrays are not all addressable here: gather them (every process must take part).
-    trained = (multihost_utils.process_allgather(state["trainable"]) if jax.process_count() > 1
-               else jax.device_get(state["trainable"]))
-    if metrics.writer:
-        save_draft(os.path.join(out, "draft.npz"), trained, meta)
-        if not plot(metrics.records, os.path.join(out, "loss.png")):
-            say("no loss.png: matplotlib is not installed (pip install matplotlib)")
-    return {"records": metrics.records, "trainable": trained}
+def train_draft(cfg: TrainConfig, **kwargs) -> dict:
+    """`train.loop.train` for S3D (kwargs: loaded, progress, devices, on_step)."""
+    return loop.train(cfg, S3DTask.create, **kwargs)
 
 
 def main(argv=None):
-    p = Parser(prog="python -m train.s3d", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a YAML file of settings (see configs/train/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file's")
-    args = p.parse_args(argv)
-    cfg = TrainConfig.load(args.config, args.overrides)
-    train(cfg)
-    out = os.path.join(cfg.out, "draft.npz")
-    print(f"trained {cfg.steps} steps; draft -> {out} (python -m infer.generate --method s3d --draft {out})")
+    loop.main("s3d", __doc__, S3DTask.create, "s3d", argv)
 
 
 if __name__ == "__main__":

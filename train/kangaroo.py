@@ -1,0 +1,106 @@
+"""Train a Kangaroo adapter: python -m train.kangaroo --config configs/train/kangaroo-smollm2-cpu.yaml [key=value ...]
+
+The adapter learns to map the target's layer-l exit states to the full model's next-token
+distribution (paper Eq. 3: soft cross-entropy against the target's probabilities). Only the adapter
+trains; the target is frozen, so verified output is exactly the original model's.
+Rerunning the same command resumes from the last checkpoint in `out`; a finished run re-exports.
+Writes to `out`: checkpoints/, metrics.jsonl, loss.png, config.json and adapter.npz, the artifact
+`python -m infer.generate --method kangaroo --draft` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from infer.cli import Parser, run
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.config import ModelConfig
+from s3djax.layers import rms_norm
+from s3djax.spec.drafters.kangaroo import (adapter_hidden, check_exit_layer, deep_plan, default_exit_layer,
+                                           draft_logits, init_adapter, shallow_plan)
+from train.config import TrainConfig
+from train.loop import train
+
+
+def kangaroo_loss(adapter, params, batch, *, config: ModelConfig, exit_layer: int):
+    """(loss, sums) over positions whose next token is trained on: sum_v -p_target(v) log q(v), where q is
+    the draft (layers 0..l-1, adapter, shared norm and head) with the adapter run causally over the
+    whole sequence, exactly as its cache sees the committed context at inference.
+
+    sums: one head's "depth_loss", "depth_correct" (draft top-1 == target argmax), "depth_count".
+    """
+    tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]
+    b, t = tokens.shape
+    dtype = params["final_norm"].dtype
+    zeros = jnp.zeros((b,), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = kv.causal_mask(zeros, t, t)
+    # One target pass in two halves: the exit states are its layer-l residual stream.
+    exits, cache = model.run_layers(params, model.embed(params, tokens), positions, kv.init_cache(config, b, t, dtype),
+                                    zeros, mask, config=config, plan=shallow_plan(config.num_layers, exit_layer))
+    final, _ = model.run_layers(params, exits, positions, cache, zeros, mask, config=config,
+                                plan=deep_plan(config.num_layers, exit_layer))
+    teacher = jax.lax.stop_gradient(model.logits(params, rms_norm(final, params["final_norm"], config.rms_norm_eps)))
+    hidden, _ = adapter_hidden(adapter, jax.lax.stop_gradient(exits), kv.init_cache(config, b, t, dtype)[0], positions,
+                               zeros, mask, config=config)
+    student = draft_logits(params, hidden, config)
+    # Position i predicts token i + 1.
+    nxt = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((b, 1), loss_mask.dtype)], axis=1)
+    weight = ((nxt > 0) & (jnp.arange(t)[None] + 1 < lengths[:, None])).astype(jnp.float32)
+    per = -jnp.sum(jax.nn.softmax(teacher) * jax.nn.log_softmax(student), axis=-1)
+    correct = (jnp.argmax(student, axis=-1) == jnp.argmax(teacher, axis=-1)).astype(jnp.float32)
+    sums = {"depth_loss": jnp.sum(per * weight)[None], "depth_correct": jnp.sum(correct * weight)[None],
+            "depth_count": jnp.sum(weight)[None]}
+    return sums["depth_loss"][0] / jnp.maximum(sums["depth_count"][0], 1.0), sums
+
+
+@dataclasses.dataclass(frozen=True)
+class KangarooTask:
+    config: ModelConfig
+    exit_layer: int
+    name = "kangaroo"
+
+    @classmethod
+    def create(cls, m, cfg: TrainConfig, max_len: int) -> "KangarooTask":
+        layers = m.config.num_layers
+        return cls(m.config, check_exit_layer(cfg.exit_layer or default_exit_layer(layers), layers))
+
+    def init_trainable(self, m, cfg: TrainConfig, key):
+        # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
+        # Copies: the trained state is donated each step, and must not alias the frozen params.
+        return jax.tree.map(jnp.copy, init_adapter(m.params, m.config, self.exit_layer))
+
+    def loss(self, trainable, frozen, batch, key):
+        return kangaroo_loss(trainable, frozen, batch, config=self.config, exit_layer=self.exit_layer)
+
+    def export(self, out, trained, meta):
+        from s3djax.spec.draft_params import save_artifact
+
+        path = os.path.join(out, "adapter.npz")
+        save_artifact(path, trained, {**meta, "method": "kangaroo", "exit_layer": self.exit_layer,
+                                      "held_out_acc": meta["held_out_depth_acc"][0]})
+        return path
+
+
+def train_adapter(cfg: TrainConfig, **kwargs) -> dict:
+    """`train.loop.train` for Kangaroo (kwargs: loaded, progress, devices, on_step)."""
+    return train(cfg, KangarooTask.create, **kwargs)
+
+
+def main(argv=None):
+    p = Parser(prog="python -m train.kangaroo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a YAML file of settings (see configs/train/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file's")
+    args = p.parse_args(argv)
+    cfg = TrainConfig.load(args.config, args.overrides)
+    out = train_adapter(cfg)["path"]
+    print(f"trained {cfg.steps} steps; adapter -> {out} (python -m infer.generate --method kangaroo --draft {out})")
+
+
+if __name__ == "__main__":
+    run(main)
