@@ -20,6 +20,7 @@ from s3djax.spec import tree as trees
 from s3djax.spec import verify as verify_module
 from s3djax.spec.draft_params import init_draft
 from s3djax.spec.drafters.s3d import S3DDrafter
+from s3djax.spec.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.spec.loop import SpecDecoder
 from tests.tiny import LLAMA, random_params
 
@@ -101,6 +102,14 @@ def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
     assert chi_square_p(counts, exact_joint(params, sampling)) > SIGNIFICANCE
+
+
+def test_autoregressive_drafting_samples_the_target_distribution(params):
+    # Self-Spec's chain drafter with variable draft lengths (a low adaptive threshold) and a top-2 spine.
+    plan = SkipPlan.parse("1-2", SMALL.num_layers)
+    drafter = SelfSpecDrafter(SMALL, plan, trees.TreeSpec.spine(3, 2), AdaptiveThreshold(initial=0.2))
+    decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
+    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, T1)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):

@@ -1,0 +1,99 @@
+"""Self-Spec (Draft & Verify): sub-layer skipping drafts, the adaptive draft-exit threshold, lossless output."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s3djax import cache as kv
+from s3djax import methods, model
+from s3djax.decode import ARDecoder, Runner
+from s3djax.skip_plan import DynamicPlan, SkipPlan
+from s3djax.spec.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, load_plan, save_plan
+from s3djax.spec.loop import SpecDecoder
+from s3djax.spec.tree import TreeSpec
+from tiny import LLAMA, PHI3, random_params
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
+@pytest.mark.parametrize("spec", ["1.attn,2.mlp", "0.mlp,1-2,3.attn"])
+def test_a_traced_plan_gives_the_static_plans_logits(config, spec):
+    params, plan = random_params(config, 1), SkipPlan.parse(spec, config.num_layers)
+    tokens = jnp.asarray([PROMPT], jnp.int32)
+    t = tokens.shape[1]
+    slots = jnp.zeros((1,), jnp.int32)
+
+    def run(params, plan):
+        cache = kv.init_cache(config, 1, 16)
+        hidden, cache = model.forward(params, tokens, jnp.arange(t)[None], cache, slots, kv.causal_mask(slots, t, 16),
+                                      config=config, plan=plan)
+        return model.logits(params, hidden), cache
+
+    static = jax.jit(lambda p: run(p, plan))(params)
+    traced = jax.jit(run)(params, DynamicPlan.of(plan))
+    for a, b in zip(jax.tree.leaves(static), jax.tree.leaves(traced)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_threshold_follows_the_papers_rule():
+    rule = AdaptiveThreshold(initial=0.6, target=0.8, step=0.01, beta1=0.5, beta2=0.9)
+    state = rule.init()
+    # (accepted, drafted) per verify stage, then the rate and threshold worked out by hand:
+    # 1: rate = 1/4 (beta1 is 0 at the first stage) <= 0.8 -> 0.9*0.6 + 0.1*0.61 = 0.601
+    # 2: rate = 0.5*0.25 + 0.5*1.0 = 0.625 <= 0.8 -> 0.9*0.601 + 0.1*0.611 = 0.602
+    # 3: nothing drafted: unchanged
+    # 4: rate = 0.5*0.625 + 0.5*1.0 = 0.8125 > 0.8 -> 0.9*0.602 + 0.1*0.592 = 0.601
+    expected = [(0.25, 0.601), (0.625, 0.602), (0.625, 0.602), (0.8125, 0.601)]
+    for (accepted, drafted), (rate, threshold) in zip([(1, 4), (3, 3), (0, 0), (2, 2)], expected):
+        state = rule.update(state, jnp.int32(accepted), jnp.int32(drafted))
+        assert float(state["rate"]) == pytest.approx(rate) and float(state["threshold"]) == pytest.approx(threshold)
+    assert int(state["stages"]) == 3
+
+
+def decoders(config, plan, tree, cache=96):
+    ar = ARDecoder(config, cache, eos_ids=())
+    return Runner(ar, None), SpecDecoder.create(ar, SelfSpecDrafter(config, plan, tree))
+
+
+@pytest.mark.parametrize("config, spec, tree", [(LLAMA, "1-2", TreeSpec.chain(5)),
+                                                (PHI3, "0.mlp,2.attn,3.mlp", TreeSpec.spine(4, 2))],
+                         ids=["llama-chain", "phi3-top2"])
+def test_greedy_self_spec_is_ar_token_for_token(config, spec, tree):
+    params = random_params(config, 5)
+    plan = SkipPlan.parse(spec, config.num_layers)
+    ar, spec_decoder = decoders(config, plan, tree)
+    expected = Runner(ar.decoder, params).generate(PROMPT, 40).tokens
+    # A low starting threshold drafts deep, so rejections happen at every depth.
+    spec_decoder = SpecDecoder.create(spec_decoder.ar, SelfSpecDrafter(config, plan, tree, AdaptiveThreshold(0.05)))
+    result = Runner(spec_decoder, (params, {})).generate(PROMPT, 40)
+    assert result.tokens == expected
+    assert result.stats["mean_drafted"] > 0 and result.stats["verify_steps"] < 40
+
+
+def test_a_plan_file_round_trips_and_bad_ones_are_refused(tmp_path):
+    from s3djax.errors import UserError
+
+    plan = SkipPlan.parse("3.attn,5-7.mlp,9", 12)
+    save_plan(str(tmp_path / "p.yaml"), plan, {"objective_ms_per_token": 1.5})
+    assert load_plan(str(tmp_path / "p.yaml"), 12) == plan
+    with pytest.raises(UserError, match="12 layers"):
+        load_plan(str(tmp_path / "p.yaml"), 30)
+    (tmp_path / "bad.yaml").write_text("- not a mapping\n")
+    with pytest.raises(UserError, match="not a skip plan"):
+        load_plan(str(tmp_path / "bad.yaml"), 12)
+    with pytest.raises(UserError, match="no such"):
+        load_plan(str(tmp_path / "missing.yaml"), 12)
+
+
+def test_smollm2_self_spec_equals_ar(smollm2):
+    from s3djax.tokenizer import encode_prompt
+
+    ids = encode_prompt(smollm2.tokenizer, "List three uses of a paperclip.", chat_template=True)
+    ar = methods.build("ar", smollm2, max_cache_len=128)
+    expected = Runner(ar.decoder, ar.params).generate(ids, 24).tokens
+    built = methods.build("self-spec", smollm2, max_cache_len=128, skip="10-19.mlp,12-17.attn", max_draft=6,
+                          tree="top2")
+    result = Runner(built.decoder, built.params).generate(ids, 24)
+    assert result.tokens == expected and result.stats["mean_drafted"] > 0
