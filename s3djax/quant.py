@@ -112,7 +112,8 @@ def mode_of(params: dict) -> str:
 
 
 def param_bytes(params) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    """Bytes of distinct arrays: a draft that reuses the target's own layers (S2D) adds nothing for them."""
+    return sum({id(leaf): leaf.nbytes for leaf in jax.tree.leaves(params)}.values())
 
 
 # ------------------------------------------------------------------------------ the forward's reads
