@@ -89,8 +89,9 @@ def summarize(runs: list[dict], baseline: list[dict] | None, *, depth: int, memo
     steps = [a for r in runs for a in r.get("accepted_per_step", ())]
     if any("accepted_per_step" in r for r in runs):
         stats = acceptance(steps, depth)
+        drafted = [d for r in runs for d in r.get("drafted_per_step", ())]
         out.update(tau=stats["mean_accepted_tokens"], acceptance_by_depth=stats["acceptance_by_depth"],
-                   verify_steps=stats["verify_steps"])
+                   verify_steps=stats["verify_steps"], mean_drafted=float(np.mean(drafted)) if drafted else None)
     return out
 
 
@@ -123,7 +124,7 @@ class JaxMethod:
     def __call__(self, ids, n):
         r = self.runner.generate(ids, n, seed=self.seed)
         return {"tokens": r.tokens, "decode_s": r.decode_s, "ttft_s": r.ttft_s, "compile_s": r.compile_s,
-                **({"accepted_per_step": r.stats["accepted_per_step"]} if r.stats else {})}
+                **({k: r.stats[k] for k in ("accepted_per_step", "drafted_per_step")} if r.stats else {})}
 
 
 class PeerMethod:
@@ -265,17 +266,19 @@ def markdown(record: dict) -> str:
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "
-             "in this run; tau: tokens per verify step, bonus included; M: speedup / (memory / ar memory), memory "
+             "in this run; tau: tokens per verify step, bonus included; drafted: draft depth per step; M: speedup / (memory / ar memory), memory "
              "being parameters plus KV cache; identical: outputs equal to `ar`'s (greedy only: sampled outputs "
              "differ by design, and lossless then means the same distribution).", "",
-             "| dataset | method | prompts | tokens/s | speedup | tau | alpha_1..k | M | TTFT ms | memory MiB | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| dataset | method | prompts | tokens/s | speedup | tau | drafted | alpha_1..k | M | TTFT ms | memory MiB | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for d, per in record["summary"].items():
         for name, r in per.items():
-            alpha = " / ".join(f"{a:.2f}" for a in r.get("acceptance_by_depth", [])) or "-"
+            alphas = r.get("acceptance_by_depth", [])
+            alpha = " / ".join(f"{a:.2f}" for a in alphas[:6]) + (" / ..." if len(alphas) > 6 else "") or "-"
             tau = f"{r['tau']:.2f}" if "tau" in r else "-"
+            drafted = f"{r['mean_drafted']:.2f}" if r.get("mean_drafted") is not None else "-"
             identical = "-" if r["identical"] is None else f"{r['identical']:.0%}"
-            lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | "
+            lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | {drafted} | "
                          f"{alpha} | {r['memory_normalized_speedup']:.2f} | {r['ttft_s'] * 1000:.0f} | "
                          f"{r['memory_bytes'] / 2**20:.0f} | {identical} |")
     return "\n".join(lines)

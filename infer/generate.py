@@ -111,7 +111,8 @@ def main(argv=None):
         st = result.stats
         print(f"[{args.method}] tau {st['mean_accepted_tokens']:.2f} tokens per verify step (bonus included), "
               f"acceptance by depth {' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, "
-              f"{st['verify_steps']} verify steps; {built.draft}", file=sys.stderr)
+              f"{st['verify_steps']} verify steps, {st['mean_drafted']:.2f} drafted per step; {built.draft}",
+              file=sys.stderr)
     if args.profile and result.stats:
         from s3djax.spec.profile import step_times
 

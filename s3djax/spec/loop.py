@@ -88,8 +88,9 @@ class SpecDecoder:
 
     def stats(self, state) -> dict:
         log, drafted = np.asarray(state["accepted_log"]), np.asarray(state["drafted_log"])
+        drafted = drafted[drafted >= 0]
         return {**acceptance(log[log >= 0], self.drafter.tree.depth),
-                "mean_drafted": float(drafted[drafted >= 0].mean()) if (drafted >= 0).any() else 0.0}
+                "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist()}
 
 
 def acceptance(accepted, depth: int) -> dict:

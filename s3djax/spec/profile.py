@@ -55,7 +55,11 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
         valid = jnp.ones(nodes.shape, bool)
 
         def step(params, c):
-            c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config, tree=tree)
+            if tree is drafter.tree:  # the drafter's own verification (Kangaroo's skips the shallow layers)
+                c, _, emitted, _, _ = drafter.verify(*params, c, length, last, nodes, valid, None, dstate, None,
+                                                     decoder.ar.sampling)
+            else:
+                c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config, tree=tree)
             return c, emitted
         return step
 
