@@ -47,7 +47,7 @@ class Parser(argparse.ArgumentParser):
         """`--flag-name: invalid value` for each flag_name=False, sampling and method flags included when defined."""
         if hasattr(args, "temperature"):
             valid = dict(temperature=args.temperature >= 0, top_k=args.top_k >= 0, top_p=0 < args.top_p <= 1, **valid)
-        if hasattr(args, "max_draft"):
+        if hasattr(args, "eta"):  # the method options
             valid = dict(max_draft=args.max_draft is None or args.max_draft >= 1, eta=0 <= args.eta <= 1,
                          gamma=args.gamma >= 1, **valid)
         for name, ok in valid.items():
