@@ -77,9 +77,30 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     return builders[method](m, ar, opts, dtype)
 
 
+def finetuned_target(m: LoadedModel, layers: dict, dtype: str) -> dict:
+    """The target with a full-mode S3D draft's fine-tuned layers in place, quantized like the rest."""
+    from s3djax.loading import DTYPES
+    from s3djax.spec.draft_params import with_layers
+
+    params = with_layers(m.params, layers)
+    return quant.apply(params, m.quant, DTYPES[dtype], m.matmul) if m.quant != "none" else params
+
+
+def target_from(m: LoadedModel, path: str, dtype: str) -> tuple[dict, dict]:
+    """--target-from: (the fine-tuned target's params, the fine-tuned layers) of a full-mode S3D draft file."""
+    from s3djax.loading import DTYPES
+    from s3djax.spec.draft_params import load_draft
+
+    draft, _ = load_draft(path, m.config, DTYPES[dtype])
+    if "layers" not in draft:
+        raise UserError(f"--target-from {path} is not a full-mode s3d draft (it has no layers)")
+    return finetuned_target(m, draft["layers"], dtype), draft["layers"]
+
+
 def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
-    return Built(dataclasses.replace(ar, plan=plan), m.params, [])
+    params = target_from(m, opts.target_from, dtype)[0] if opts.target_from else m.params
+    return Built(dataclasses.replace(ar, plan=plan), params, [])
 
 
 def about_file(path: str | None, meta: dict) -> str:
@@ -93,7 +114,7 @@ def about_file(path: str | None, meta: dict) -> str:
 def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.loading import DTYPES
     from s3djax.spec import tree as trees
-    from s3djax.spec.draft_params import init_draft, load_draft, with_layers
+    from s3djax.spec.draft_params import init_draft, load_draft
     from s3djax.spec.drafters.s3d import S3DDrafter
     from s3djax.spec.loop import SpecDecoder
 
@@ -110,9 +131,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         draft = init_draft(m.params, m.config, plan)
         warnings.append("no trained draft: using an untrained mask token, so acceptance will be low")
     elif "layers" in draft:  # a full-mode draft fine-tuned the kept layers: they verify too
-        params = with_layers(m.params, draft.pop("layers"))
-        if m.quant != "none":  # the fine-tuned layers arrive in float
-            params = quant.apply(params, m.quant, DTYPES[dtype], m.matmul)
+        params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, opts.gamma), opts.gamma)

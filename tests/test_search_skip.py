@@ -5,7 +5,6 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import pytest
 import yaml
 
