@@ -1,0 +1,231 @@
+"""Kangaroo (Liu et al. 2024): the target's first l layers plus a small trained adapter draft one token at a
+time until the draft's top-1 probability is <= eta; verification runs only layers l..L-1.
+
+The draft model is layers 0..l-1 of the target (the exit layer l), then the adapter, then the shared
+final norm and LM head. The adapter is one attention block with an input and an output RMSNorm and no
+MLP: x + attention(RMSNorm_in(x)), then RMSNorm_out. The paper's Table 2 draws it as input LN +
+attention + last LN feeding the shared head; we do what the issue asks, the output RMSNorm followed by
+the target's own final norm and head. RMSNorm_out starts at weight 1, which makes the pair exactly the
+paper's last LN initialised from the final norm; starting it from the final-norm weight instead would
+apply that weight twice (SmolLM2's reaches 3.3), and measured held-out soft cross-entropy at step 0
+was 65 nats against 17.
+
+Work is shared, never repeated:
+- drafting a token runs layers 0..l-1 on the target's own cache, so the shallow K/V of drafted tokens
+  are real target K/V, written where verification would put them (node i at slot length + i);
+- each drafted token's exit hidden state (the residual stream after layer l-1, before any norm) is
+  kept in the drafter state, indexed by tree node, and verification runs layers l..L-1 over those,
+  recomputing nothing below l (paper Fig. 2, the "parallel compute unit");
+- the adapter keeps its own one-layer K/V cache in the target cache's slot layout, so the same
+  `commit_path` keeps it consistent after a rejection or a full acceptance.
+The price: the adapter's cache needs the prompt's exit states, so `init_state` runs layers 0..l-1
+over the prompt once more, about l/L of a prefill added to the time to first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from s3djax import cache as kv
+from s3djax import model, quant
+from s3djax.config import ModelConfig
+from s3djax.errors import UserError
+from s3djax.layers import rms_norm, rope_tables
+from s3djax.sampling import Sampling
+from s3djax.skip_plan import SkipPlan
+from s3djax.spec import verify
+from s3djax.spec.drafters.chain import ChainDrafter, check_spine
+from s3djax.spec.tree import TreeSpec
+
+ATTENTION = ("attn_norm", "q", "k", "v", "o", "qkv")
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """Where an adapter exits unless told: the exit-layer sweep's choice for SmolLM2, 2 of 30 layers
+    (benchmarks/results/kangaroo-exit-sweep-cpu.md; the paper's for Vicuna-7B is 2 of 32), the same
+    fraction of the depth elsewhere."""
+    return max(1, min(num_layers - 1, round(num_layers / 15)))
+
+
+def check_exit_layer(exit_layer: int, num_layers: int) -> int:
+    if not 1 <= exit_layer < num_layers:
+        raise UserError(f"the exit layer must be in 1..{num_layers - 1} for a {num_layers}-layer model, "
+                        f"got {exit_layer}")
+    return exit_layer
+
+
+def shallow_plan(num_layers: int, exit_layer: int) -> SkipPlan:
+    return SkipPlan.skipping_layers(num_layers, range(exit_layer, num_layers))
+
+
+def deep_plan(num_layers: int, exit_layer: int) -> SkipPlan:
+    return SkipPlan.skipping_layers(num_layers, range(exit_layer))
+
+
+def init_adapter(params, config: ModelConfig, exit_layer: int) -> dict:
+    """The adapter's starting point: layer l's attention weights (the layer the draft replaces) and a unit
+    output norm (the shared final norm brings its weight). Float even where the target is int8."""
+    layer = params["layers"][exit_layer]
+    adapter = {name: quant.dequantize(w) for name, w in layer.items() if name in ATTENTION}
+    return {**adapter, "out_norm": jnp.ones_like(params["final_norm"])}
+
+
+def adapter_hidden(adapter, x, layer_cache, positions, slots, mask, *, config: ModelConfig):
+    """Exit states [B, T, D] through the adapter: (normed states ready for the final norm, layer cache)."""
+    cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
+    y, layer_cache = model.attention_block(adapter, None, x.astype(adapter["attn_norm"].dtype), layer_cache, cos=cos,
+                                           sin=sin, slots=slots, mask=mask, config=config)
+    return rms_norm(y, adapter["out_norm"], config.rms_norm_eps), layer_cache
+
+
+def draft_logits(params, hidden, config: ModelConfig):
+    """The shared final norm and LM head over adapter outputs."""
+    return model.logits(params, rms_norm(hidden.astype(params["final_norm"].dtype), params["final_norm"],
+                                         config.rms_norm_eps))
+
+
+def _put(buf, new, start):
+    """Write rows new [B, T, D] into buf [B, N, D] at each row's own start [B]."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0))(buf, new, start)
+
+
+@dataclasses.dataclass(frozen=True)
+class KangarooDrafter(ChainDrafter):
+    """Draft params: the adapter {"attn_norm", "q", "k", "v", "o" (or Phi-3's "qkv"), "out_norm"}.
+
+    State: {"exit": [B, N, D] exit states by tree node (root = 0), "adapter": the adapter's one-layer
+    cache, "length": [B] the committed length the current draft started from}.
+    """
+    config: ModelConfig
+    tree: TreeSpec
+    exit_layer: int
+    eta: float = 0.6
+    process_last_block = True  # the deepest token's exit state and adapter K/V are needed if it is accepted
+
+    def init_state(self, params, draft, prompt, lengths, cache):
+        b, p = prompt.shape
+        zeros = jnp.zeros((b,), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        mask = kv.causal_mask(zeros, p, kv.cache_len(cache))
+        # The prefill already wrote these layers' K/V: the cache this returns holds the same values, so it is dropped.
+        exits, _ = model.run_layers(params, model.embed(params, prompt), positions, cache, zeros, mask,
+                                    config=self.config, plan=shallow_plan(self.config.num_layers, self.exit_layer))
+        layer = kv.init_cache(self.config, b, kv.cache_len(cache), cache[0]["k"].dtype)[0]
+        _, layer = adapter_hidden(draft, exits, layer, positions, zeros, mask, config=self.config)
+        return {"exit": jnp.zeros((b, self.tree.num_nodes, exits.shape[-1]), exits.dtype), "adapter": layer,
+                "length": lengths.astype(jnp.int32)}
+
+    def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
+        # `block` learns its tokens' node indices from their slots: slot - length.
+        return super().draft(params, draft, cache, length, last, {**state, "length": length}, key, sampling)
+
+    def block(self, params, draft, cache, state, tokens, positions, slot, mask):
+        x, cache = model.run_layers(params, model.embed(params, tokens), positions, cache, slot, mask,
+                                    config=self.config, plan=shallow_plan(self.config.num_layers, self.exit_layer))
+        exits = _put(state["exit"], x, slot - state["length"])
+        # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
+        hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
+        return draft_logits(params, hidden[:, 0], self.config), cache, {**state, "exit": exits, "adapter": layer}
+
+    def confident(self, state, probs):
+        return jnp.max(probs, axis=-1) > self.eta
+
+    @property
+    def verify_depths(self) -> tuple[int, ...]:
+        """The prefix trees verification picks from: depths 0, 1, 2, 4, ... and the full depth."""
+        depth = self.tree.depth
+        return tuple(sorted({0, depth} | {2 ** i for i in range(depth.bit_length()) if 2 ** i < depth}))
+
+    def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
+        """Layers l..L-1 over the drafted nodes' exit states; layers below l already hold their K/V.
+
+        Only as deep as was drafted: a spine's nodes are in depth order, so its first 1 + d*width nodes
+        are the tree of depth d, and `lax.switch` (one executable) verifies the smallest of
+        `verify_depths` that holds the drafted depth. A verify costs what its tokens cost on a
+        compute-bound device, and confidence-stopped drafting often stops early or drafts nothing.
+        Nodes left undrafted inside it carry stale exit states; they are invalid, so never accepted.
+        """
+        tree, width = self.tree, self.tree.max_rank + 1
+        drafted = jnp.max(jnp.where(valid, jnp.asarray(tree.node_depths[1:])[None], 0))
+
+        def upto(depth):
+            sub = TreeSpec.spine(depth, width) if depth else TreeSpec(())
+            n = sub.num_nodes
+
+            def run(cache):
+                logits, cache = self.score(params, cache, length, state, sub)
+                accepted, emitted, path = verify.accept(
+                    logits, last, nodes[:, :n - 1], valid[:, :n - 1], tree=sub, sampling=sampling,
+                    child_probs=None if child_probs is None else child_probs[:, :n], key=key)
+                # Past the accepted depth, entries are padding: the deepest node again, as commit_path expects.
+                emitted, path = (jnp.pad(x, ((0, 0), (0, tree.depth - depth)), mode="edge") for x in (emitted, path))
+                return verify.commit_path(cache, length, path, n), accepted, emitted, path
+            return run
+
+        index = jnp.searchsorted(jnp.asarray(self.verify_depths), drafted)
+        cache, accepted, emitted, path = jax.lax.switch(index, [upto(d) for d in self.verify_depths], cache)
+        return cache, accepted, emitted, path, state
+
+    def score(self, params, cache, length, state, tree: TreeSpec | None = None):
+        """`verify.score` from the exit states: the target's logits [B, N, V] at every node of `tree` (default:
+        the drafter's; a prefix of it), and the cache with every node's K/V in its scratch slot."""
+        tree = tree or self.tree
+        positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
+        hidden, cache = model.run_layers(params, state["exit"][:, :tree.num_nodes], positions, cache, length,
+                                         verify.tree_mask(length, tree), config=self.config,
+                                         plan=deep_plan(self.config.num_layers, self.exit_layer))
+        return model.logits(params, rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)), cache
+
+    def update(self, state, length, accepted, path, emitted):
+        # The adapter K/V of the committed nodes were written while drafting them: move them like the target's.
+        layer = verify.commit_path([state["adapter"]], length, path, self.tree.num_nodes)[0]
+        return {**state, "adapter": layer}
+
+
+def check_adapter(adapter: dict, config: ModelConfig, path: str) -> dict:
+    want = {"attn_norm", "o", "out_norm"} | ({"qkv"} if config.arch == "phi3" else {"q", "k", "v"})
+    if not isinstance(adapter, dict) or set(adapter) != want:
+        raise UserError(f"{path} is not a Kangaroo adapter for a {config.arch} model (expected {sorted(want)})")
+    if adapter["attn_norm"].shape != (config.hidden_size,) or adapter["o"].shape[1] != config.hidden_size:
+        raise UserError(f"{path} was trained for hidden size {adapter['attn_norm'].shape[0]}, "
+                        f"not this model's {config.hidden_size}")
+    return adapter
+
+
+def build_kangaroo(m, ar, opts, dtype: str):
+    """`--method kangaroo`: the adapter from --draft (or the model's shipped one), its exit layer, eta."""
+    from s3djax.loading import DTYPES
+    from s3djax.methods import Built, about_file
+    from s3djax.spec import tree as trees
+    from s3djax.spec.draft_params import load_artifact
+    from s3djax.spec.loop import SpecDecoder
+
+    config, path, warnings = m.config, opts.draft_path, []
+    if path is None:
+        raise UserError(f"{m.name} has no shipped Kangaroo adapter: train one with `python -m train.kangaroo` and "
+                        "pass --draft PATH (or --draft none for an untrained one)")
+    if path == "none":
+        exit_layer = check_exit_layer(opts.exit_layer or default_exit_layer(config.num_layers), config.num_layers)
+        adapter, meta = init_adapter(m.params, config, exit_layer), {}
+        warnings.append("no trained adapter: using layer {}'s attention untrained, so acceptance will be low"
+                        .format(exit_layer))
+    else:
+        adapter, meta = load_artifact(path, DTYPES[dtype], kind="Kangaroo adapter")
+        if meta.get("method") != "kangaroo" or "exit_layer" not in meta:
+            raise UserError(f"{path} is not a Kangaroo adapter (train one with `python -m train.kangaroo`)")
+        exit_layer = meta["exit_layer"]
+        if opts.exit_layer is not None and opts.exit_layer != exit_layer:
+            raise UserError(f"{path} was trained for exit layer {exit_layer}, not --exit-layer {opts.exit_layer}: "
+                            "an adapter serves only its own exit layer")
+        check_exit_layer(exit_layer, config.num_layers)
+        check_adapter(adapter, config, path)
+    adapter = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter)
+    if not 0 <= opts.eta <= 1:
+        raise UserError(f"--eta must be in [0, 1], got {opts.eta}")
+    tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 6), "kangaroo")
+    drafter = KangarooDrafter(config, tree, exit_layer, opts.eta)
+    return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {opts.eta}")

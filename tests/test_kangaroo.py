@@ -1,0 +1,236 @@
+"""Kangaroo: greedy output equals ar, verification from exit states equals the full forward, the adapter's
+cache stays consistent across rejections, and the adapter trains, exports, loads and resumes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s3djax import cache as kv
+from s3djax import model
+from s3djax.decode import ARDecoder, Runner
+from s3djax.errors import UserError
+from s3djax.methods import Options
+from s3djax.spec import verify
+from s3djax.spec.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
+from s3djax.spec.loop import SpecDecoder
+from s3djax.spec.tree import TreeSpec
+from tiny import LLAMA, PHI3, random_params
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(ROOT, "configs", "drafts", "smollm2-135m-kangaroo.npz")
+CACHE = 96
+
+
+def noisy(tree, seed, scale):
+    rng = np.random.default_rng(seed)  # NumPy: no small compilations per leaf shape
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a) + scale * rng.normal(size=a.shape), a.dtype), tree)
+
+
+def near_oracle(params, config, exit_layer, seed):
+    """A target whose layers >= l barely change the residual stream, and an adapter with a small attention
+    output: the draft nearly is the target, so whole chains are accepted, with some rejections."""
+    layers = [{**p, "o": p["o"] * 0.05, "down": p["down"] * 0.05} if i >= exit_layer else p
+              for i, p in enumerate(params["layers"])]
+    adapter = init_adapter(params, config, exit_layer)
+    return {**params, "layers": layers}, {**adapter, "o": 0.05 * noisy(adapter["o"], seed, 1.0)}
+
+
+def spec_decoder(config, exit_layer, tree, eta=0.0):
+    return SpecDecoder.create(ARDecoder(config, CACHE, eos_ids=()), KangarooDrafter(config, tree, exit_layer, eta))
+
+
+_ar = {}
+
+
+def ar_runner(config, params):
+    runner = _ar.setdefault(config, Runner(ARDecoder(config, CACHE, eos_ids=()), params))
+    runner.params = params
+    return runner
+
+
+@pytest.mark.parametrize("config, exit_layer, tree, eta", [
+    (LLAMA, 1, TreeSpec.chain(4), 0.0), (LLAMA, 3, TreeSpec.spine(3, 2), 0.1),
+    (PHI3, 2, TreeSpec.spine(3, 3), 0.0)], ids=["llama-1-chain", "llama-3-top2", "phi3-2-top3"])
+def test_greedy_kangaroo_equals_ar_on_tiny_models(config, exit_layer, tree, eta):
+    random_target = random_params(config, 0)
+    cases = {"random": (random_target, noisy(init_adapter(random_target, config, exit_layer), 1, 0.3)),
+             "near-oracle": near_oracle(random_params(config, 1), config, exit_layer, 2)}
+    spec, accepted = Runner(spec_decoder(config, exit_layer, tree, eta), None), 0
+    for name, (params, adapter) in cases.items():
+        spec.params = (params, adapter)
+        for prompt in ([5], list(range(40, 57))):
+            got = spec.generate(prompt, 30)
+            assert got.tokens == ar_runner(config, params).generate(prompt, 30).tokens, (name, prompt)
+            accepted += sum(got.stats["accepted_per_step"])
+    assert accepted > 5  # drafts were accepted, so commit paths of every length ran
+
+
+def drafted(config, params, adapter, exit_layer, tree, prompt):
+    """The state right after the prefill, and the first step's draft: (drafter, ar state, cache after drafting,
+    nodes, valid, drafter state)."""
+    decoder = spec_decoder(config, exit_layer, tree)
+
+    @jax.jit
+    def run(params, adapter):
+        state = decoder.start((params, adapter), jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]),
+                              jax.random.key(0))
+        return state, *decoder.drafter.draft(params, adapter, state["cache"], state["length"], state["last"],
+                                             state["drafter"], None, decoder.ar.sampling)
+    state, nodes, valid, _, cache, dstate = run(params, adapter)
+    return decoder.drafter, state, cache, nodes, valid, dstate
+
+
+@pytest.mark.parametrize("config, exit_layer", [(LLAMA, 2), (PHI3, 1)], ids=["llama", "phi3"])
+def test_verification_from_exit_states_equals_the_full_forward(config, exit_layer):
+    params = random_params(config, 3)
+    adapter = noisy(init_adapter(params, config, exit_layer), 4, 0.3)
+    tree = TreeSpec.spine(3, 2)
+    drafter, state, cache, nodes, valid, dstate = drafted(config, params, adapter, exit_layer, tree, [7, 1, 8, 2, 8])
+    assert bool(valid.all())  # eta = 0: every node was drafted
+    length = state["length"]
+    ours, ours_cache = jax.jit(drafter.score)(params, cache, length, dstate)
+    full, full_cache = jax.jit(lambda *a: verify.score(*a, config=config, tree=tree))(
+        params, state["cache"], length, state["last"], nodes)
+    np.testing.assert_allclose(ours, full, rtol=1e-4, atol=1e-4)
+    # Every layer's K/V of every node is the full forward's: the shallow ones were written while drafting.
+    end = int(length[0]) + tree.num_nodes
+    for a, b in zip(ours_cache, full_cache):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(a[name][:, :end], b[name][:, :end], rtol=1e-4, atol=1e-5)
+
+
+def recomputed_adapter_cache(config, params, adapter, exit_layer, tokens):
+    """The adapter's K/V over a whole committed sequence, from scratch: layers 0..l-1, then the adapter."""
+    t = len(tokens)
+    zeros, positions = jnp.zeros((1,), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
+    mask = kv.causal_mask(zeros, t, t)
+    exits, _ = model.run_layers(params, model.embed(params, jnp.asarray([tokens])), positions,
+                                kv.init_cache(config, 1, t), zeros, mask, config=config,
+                                plan=shallow_plan(config.num_layers, exit_layer))
+    return adapter_hidden(adapter, exits, kv.init_cache(config, 1, t)[0], positions, zeros, mask, config=config)[1]
+
+
+def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptance():
+    # A top-2 tree: the committed path may end in a leaf, whose adapter K/V came from its depth's block.
+    config, exit_layer, prompt, tree = LLAMA, 2, [3, 1, 4, 1, 5, 9, 2, 6], TreeSpec.spine(3, 2)
+    params, adapter = near_oracle(random_params(LLAMA, 5), config, exit_layer, 6)
+    decoder = spec_decoder(config, exit_layer, tree)
+    state = jax.jit(decoder.start)((params, adapter), jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]),
+                                   jax.random.key(0))
+    state = jax.jit(decoder.decode)((params, adapter), state, jnp.int32(40))
+    steps = decoder.stats(state)["accepted_per_step"]
+    assert tree.depth in steps and min(steps) < tree.depth, steps  # whole chains accepted, and some rejected
+    length = int(state["length"][0])
+    committed = prompt + np.asarray(state["tokens"])[0, :length - len(prompt)].tolist()
+    expected = recomputed_adapter_cache(config, params, adapter, exit_layer, committed)
+    got = state["drafter"]["adapter"]
+    for name in ("k", "v"):
+        np.testing.assert_allclose(got[name][:, :length], expected[name], rtol=1e-4, atol=1e-5)
+    # And the target's own cache (shallow layers from drafting, deep ones from verification) is the full model's.
+    _, full = model.forward_sequence(params, jnp.asarray([committed]), config=config)
+    for a, b in zip(state["cache"], full):
+        np.testing.assert_allclose(a["k"][:, :length], b["k"], rtol=1e-4, atol=1e-5)
+
+
+def test_build_kangaroo_refuses_bad_adapters_and_exit_layers(tmp_path):
+    from s3djax.loading import LoadedModel
+    from s3djax.spec.draft_params import save_artifact
+
+    m = LoadedModel("tiny-llama", LLAMA, random_params(LLAMA, 0), None, 0.0)
+    ar = ARDecoder(LLAMA, CACHE, eos_ids=())
+    with pytest.raises(UserError, match="no shipped Kangaroo adapter: train one with `python -m train.kangaroo`"):
+        build_kangaroo(m, ar, Options(), "float32")
+    built = build_kangaroo(m, ar, Options(draft_path="none", exit_layer=3, tree="top2", max_draft=3), "float32")
+    assert built.decoder.drafter.exit_layer == 3 and built.decoder.drafter.tree == TreeSpec.spine(3, 2)
+    assert "untrained" in built.warnings[0]
+    path = str(tmp_path / "a.npz")
+    save_artifact(path, init_adapter(m.params, LLAMA, 2), {"method": "kangaroo", "exit_layer": 2})
+    assert build_kangaroo(m, ar, Options(draft_path=path), "float32").decoder.drafter.exit_layer == 2
+    for opts, message in ((Options(draft_path=path, exit_layer=1), "trained for exit layer 2, not --exit-layer 1"),
+                          (Options(draft_path="none", exit_layer=4), "exit layer must be in 1..3"),
+                          (Options(draft_path=path, tree="tree-8"), "its tree must be chain or topK"),
+                          (Options(draft_path=str(tmp_path / "no.npz")), "no such Kangaroo adapter file")):
+        with pytest.raises(UserError, match=message):
+            build_kangaroo(m, ar, opts, "float32")
+    save_artifact(path, init_adapter(random_params(PHI3, 0), PHI3, 2), {"method": "kangaroo", "exit_layer": 2})
+    with pytest.raises(UserError, match="not a Kangaroo adapter for a llama model"):
+        build_kangaroo(m, ar, Options(draft_path=path), "float32")
+
+
+def test_smollm2_kangaroo_from_the_cli_prints_what_ar_generates(smollm2):
+    from s3djax import methods
+    from s3djax.tokenizer import encode_prompt
+
+    prompt, draft = "Name three primary colors.", SHIPPED if os.path.exists(SHIPPED) else "none"
+    r = subprocess.run([sys.executable, "-m", "infer.generate", "--method", "kangaroo", "--draft", draft, "--tree", "top2",
+                        "--max-draft", "4", "--prompt", prompt, "--max-new-tokens", "24", "--max-cache-len", "128",
+                        "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ar = methods.build("ar", smollm2, max_cache_len=128)
+    ids = encode_prompt(smollm2.tokenizer, prompt, chat_template=True)
+    expected = Runner(ar.decoder, ar.params).generate(ids, 24).tokens
+    assert out["text"] == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
+    assert out["method"] == "kangaroo" and out["new_tokens"] == len(expected) and out["verify_steps"] >= 1
+
+
+def test_the_loss_is_the_teacher_entropy_when_the_draft_is_the_target():
+    from train.kangaroo import kangaroo_loss
+
+    # Layers >= l change nothing and the adapter adds nothing: draft and target distributions coincide.
+    config, exit_layer = LLAMA, 2
+    params, adapter = near_oracle(random_params(config, 9), config, exit_layer, 0)
+    params = {**params, "layers": [{**p, "o": 0 * p["o"], "down": 0 * p["down"]} if i >= exit_layer else p
+                                   for i, p in enumerate(params["layers"])]}
+    adapter = {**adapter, "o": 0 * adapter["o"]}
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 24)), jnp.int32)
+    batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens), "lengths": jnp.asarray([24, 17])}
+    loss, sums = jax.jit(lambda *a: kangaroo_loss(*a, config=config, exit_layer=exit_layer, num_positions=8))(
+        adapter, params, batch, jax.random.key(0))
+    assert float(sums["depth_correct"][0]) == float(sums["depth_count"][0]) == 16
+    logits = jax.jit(lambda p: model.logits(p, model.forward_sequence(p, tokens, config=config)[0]))(params)
+    entropy = -jnp.sum(jax.nn.softmax(logits) * jax.nn.log_softmax(logits), -1)
+    assert float(entropy.min()) - 1e-4 <= float(loss) <= float(entropy.max()) + 1e-4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from train import prepare_data
+
+    out = str(tmp_path_factory.mktemp("shards"))
+    prepare_data.prepare("smollm2-135m", out, max_len=64, pack=True, eval_fraction=0.1, limit=80, progress=False)
+    return out
+
+
+def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
+    from tiny import TINY, tiny_config, tiny_model
+    from train.kangaroo import train_adapter
+
+    cfg = tiny_config(data, str(tmp_path / "run"), exit_layer=2, steps=4, save_every=2, eval_every=2)
+    reference = train_adapter(tiny_config(data, str(tmp_path / "ref"), exit_layer=2, steps=4, save_every=2,
+                                          eval_every=2), loaded=tiny_model(), progress=False)
+
+    class Stop(Exception):
+        pass
+
+    def stop(step):
+        if step == 2:  # after step 2's checkpoint
+            raise Stop
+    with pytest.raises(Stop):
+        train_adapter(cfg, loaded=tiny_model(), progress=False, on_step=stop)
+    resumed = train_adapter(cfg, loaded=tiny_model(), progress=False)
+    jax.tree.map(np.testing.assert_array_equal, resumed["trainable"], reference["trainable"])
+    evals = [r["loss"] for r in resumed["records"] if r["split"] == "eval"]
+    assert evals[-1] < evals[0], evals
+
+    m = tiny_model()
+    built = build_kangaroo(m, ARDecoder(TINY, 64, eos_ids=()), Options(draft_path=resumed["path"]), "float32")
+    assert built.decoder.drafter.exit_layer == 2 and "4 steps" in built.draft
+    got = Runner(built.decoder, built.params).generate([1, 2, 3], 12).tokens
+    assert got == Runner(ARDecoder(TINY, 64, eos_ids=()), m.params).generate([1, 2, 3], 12).tokens
