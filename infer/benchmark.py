@@ -22,7 +22,7 @@ import numpy as np
 from infer.cli import Parser, run, sampling
 from s3djax.methods import METHODS
 
-DEFAULT_METHODS = "ar,s3d,hf-ar,hf-early-exit,hf-prompt-lookup"
+DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,hf-ar,hf-early-exit,hf-prompt-lookup"
 
 
 def parse_args(argv=None):
@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: ar (the baseline, always run), s3d, and the Hugging Face peers "
+                   help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d, and the Hugging Face peers "
                    "hf-ar, hf-early-exit, hf-prompt-lookup (skipped with a note where torch is missing)")
     p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
     p.add_argument("--mt-bench-turns", type=int, choices=(1, 2), default=1)

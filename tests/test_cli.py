@@ -75,7 +75,7 @@ def test_s3d_prints_the_same_text_as_ar_and_reports_acceptance():
 @pytest.mark.parametrize("args, message", [
     (["--method", "s3d", "--tree", "bush"], "unknown tree 'bush'"),
     (["--method", "s3d", "--tree", "tree-16", "--gamma", "2"], "raise --gamma to 4"),
-    (["--method", "s3d", "--gamma", "0"], "--gamma must be at least 1"),
+    (["--method", "s3d", "--gamma", "0"], "argument --gamma: invalid value 0"),
     (["--method", "s3d", "--draft", "/no/such/draft.npz"], "no such draft file"),
 ])
 def test_s3d_bad_input_is_one_line_and_exit_code_2(args, message):

@@ -79,7 +79,7 @@ def save_artifact(path: str, tree, meta: dict) -> None:
              **{f"leaf_{i}": np.asarray(jnp.asarray(leaf, jnp.float32)) for i, leaf in enumerate(leaves)})
 
 
-def load_artifact(path: str, dtype, kind: str = "s3djax draft") -> tuple[dict, dict]:
+def load_artifact(path: str, dtype, kind: str = "draft") -> tuple[dict, dict]:
     """(pytree with leaves in dtype, metadata) of a `save_artifact` file, or a one-line error."""
     if not os.path.isfile(path):
         raise UserError(f"no such {kind} file: {path}")
@@ -89,7 +89,7 @@ def load_artifact(path: str, dtype, kind: str = "s3djax draft") -> tuple[dict, d
             structure = meta.pop("structure")
             tree = jax.tree.map(lambda i: jnp.asarray(f[f"leaf_{i}"], dtype), structure)
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{path} is not an {kind} file ({e})") from None
+        raise UserError(f"{path} is not an s3djax {kind} file ({e})") from None
     return tree, meta
 
 
