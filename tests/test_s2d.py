@@ -224,7 +224,7 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     assert overridden.params[1]["thresholds"].tolist() == [pytest.approx(0.2)]
     with pytest.raises(UserError, match="train.s2d"):
         build_s2d(m, ar, Options(), "float32")
-    with pytest.raises(UserError, match="not an s2d"):
+    with pytest.raises(UserError, match="not an s3djax s2d nested draft file"):
         build_s2d(m, ar, Options(draft_path=str(tmp_path / "checkpoints" / ".." / "config.json")), "float32")
 
 
