@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile
 generate: $(STAMP)
 	$(PY) -m infer.generate --model smollm2-135m --method s3d --prompt "$(PROMPT)" $(ARGS)
 
+# Most tests are single-threaded XLA compiles: two workers (four at most, each loads SmolLM2) cut
+# the 2-core CI run by about a third.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
 
 clean:
 	rm -rf $(VENV)
