@@ -133,46 +133,9 @@ class KangarooDrafter(ChainDrafter):
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) > self.eta
 
-    @property
-    def verify_depths(self) -> tuple[int, ...]:
-        """The prefix trees verification picks from: depths 0, 1, 2, 4, ... and the full depth."""
-        depth = self.tree.depth
-        return tuple(sorted({0, depth} | {2 ** i for i in range(depth.bit_length()) if 2 ** i < depth}))
-
-    def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
-        """Layers l..L-1 over the drafted nodes' exit states; layers below l already hold their K/V.
-
-        Only as deep as was drafted: a spine's nodes are in depth order, so its first 1 + d*width nodes
-        are the tree of depth d, and `lax.switch` (one executable) verifies the smallest of
-        `verify_depths` that holds the drafted depth. A verify costs what its tokens cost on a
-        compute-bound device, and confidence-stopped drafting often stops early or drafts nothing.
-        Nodes left undrafted inside it carry stale exit states; they are invalid, so never accepted.
-        """
-        tree, width = self.tree, self.tree.max_rank + 1
-        drafted = jnp.max(jnp.where(valid, jnp.asarray(tree.node_depths[1:])[None], 0))
-
-        def upto(depth):
-            sub = TreeSpec.spine(depth, width) if depth else TreeSpec(())
-            n = sub.num_nodes
-
-            def run(cache):
-                logits, cache = self.score(params, cache, length, state, sub)
-                accepted, emitted, path = verify.accept(
-                    logits, last, nodes[:, :n - 1], valid[:, :n - 1], tree=sub, sampling=sampling,
-                    child_probs=None if child_probs is None else child_probs[:, :n], key=key)
-                # Past the accepted depth, entries are padding: the deepest node again, as commit_path expects.
-                emitted, path = (jnp.pad(x, ((0, 0), (0, tree.depth - depth)), mode="edge") for x in (emitted, path))
-                return verify.commit_path(cache, length, path, n), accepted, emitted, path
-            return run
-
-        index = jnp.searchsorted(jnp.asarray(self.verify_depths), drafted)
-        cache, accepted, emitted, path = jax.lax.switch(index, [upto(d) for d in self.verify_depths], cache)
-        return cache, accepted, emitted, path, state
-
-    def score(self, params, cache, length, state, tree: TreeSpec | None = None):
-        """`verify.score` from the exit states: the target's logits [B, N, V] at every node of `tree` (default:
-        the drafter's; a prefix of it), and the cache with every node's K/V in its scratch slot."""
-        tree = tree or self.tree
+    def score(self, params, cache, length, last, nodes, state, tree: TreeSpec):
+        """Layers l..L-1 over the nodes' exit states; layers below l already hold their K/V. Nodes left
+        undrafted carry stale exit states; they are invalid, so never accepted."""
         positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
         hidden, cache = model.run_layers(params, state["exit"][:, :tree.num_nodes], positions, cache, length,
                                          verify.tree_mask(length, tree), config=self.config,
