@@ -98,8 +98,7 @@ def hf_model(loaded, dtype=None, device: str = "cpu", threads: int | None = None
         _write(loaded, folder)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32).to(device).eval()
     tok = loaded.tokenizer
-    eos = set(loaded.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    model.generation_config.eos_token_id = sorted(eos) or None
+    model.generation_config.eos_token_id = list(loaded.eos_ids) or None
     model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     return model
 

@@ -23,10 +23,15 @@ def cache_len(cache) -> int:
     return cache[0]["k"].shape[1]
 
 
+def put_rows(buf, new, starts):
+    """Write new [B, T, ...] into buf [B, S, ...] from each row's own start (starts: [B]), in buf's dtype."""
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0))(
+        buf, new, starts)
+
+
 def write(layer_cache: dict, k, v, slots) -> dict:
     """Write new K/V [B, T, K, D] at each row's own starting slot (slots: [B])."""
-    put = jax.vmap(lambda buf, new, s: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), s, axis=0))
-    return {"k": put(layer_cache["k"], k, slots), "v": put(layer_cache["v"], v, slots)}
+    return {"k": put_rows(layer_cache["k"], k, slots), "v": put_rows(layer_cache["v"], v, slots)}
 
 
 class PrefixTreeMask(NamedTuple):

@@ -30,6 +30,12 @@ class LoadedModel:
     def quant(self) -> str:
         return quant.mode_of(self.params)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The GGUF config's EOS ids and the tokenizer's: generation stops at any of them."""
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        return tuple(sorted(set(self.config.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())))
+
 
 def _with_progress(get, total: int, label: str, show: bool):
     if not show:

@@ -67,9 +67,7 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     if method not in builders:
         raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     opts = Options(**options)
-    tok = m.tokenizer
-    eos = set(m.config.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    ar = ARDecoder(m.config, max_cache_len, eos_ids=tuple(sorted(eos)), pad_id=tok.pad_token_id or 0,
+    ar = ARDecoder(m.config, max_cache_len, eos_ids=m.eos_ids, pad_id=m.tokenizer.pad_token_id or 0,
                    sampling=sampling, cache_dtype=dtype)
     if opts.draft_path is None and method != "ar":
         entry = registry.entries().get(m.name)

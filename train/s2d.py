@@ -199,7 +199,7 @@ def write_report(path: str, draft_path: str, results: dict, chosen: dict, args) 
     from s3djax.device import describe
 
     lines = ["# S2D exit thresholds, swept per target", "",
-             f"- device: {describe()}", f"- date: {datetime.date(2026, 11, 22)}",
+             f"- device: {describe()}", f"- date: {datetime.date.today()}",
              f"- draft: {os.path.relpath(draft_path)}; {args.prompts} MT-Bench prompts x {args.max_new_tokens} new "
              "tokens, greedy, chain of 6, bfloat16 activations; thresholds for exits 4 and 6 (the deepest exit, 8, "
              "always stops; 1.01 switches an exit off)",

@@ -83,11 +83,6 @@ def flags(plan: SkipPlan) -> dict:
     return {"attn": np.asarray(plan.attn, bool), "mlp": np.asarray(plan.mlp, bool)}
 
 
-def eos_ids(m: LoadedModel) -> tuple[int, ...]:
-    tok_eos = getattr(m.tokenizer, "eos_token_id", None)
-    return tuple(sorted(set(m.config.eos_token_ids) | ({tok_eos} if tok_eos is not None else set())))
-
-
 class Evaluator:
     """Times candidates on the development set: one traced-plan decoder for all of them, `ar` beside it."""
 
@@ -97,7 +92,7 @@ class Evaluator:
         self.m, self.prompts, self.cfg = m, prompts, cfg
         cache = cfg.max_cache_len or max(len(p) for p in prompts) + cfg.max_new_tokens + 1
         pad = getattr(m.tokenizer, "pad_token_id", None) or 0
-        self.ar_decoder = ARDecoder(m.config, cache, eos_ids=eos_ids(m), pad_id=pad)
+        self.ar_decoder = ARDecoder(m.config, cache, eos_ids=m.eos_ids, pad_id=pad)
         self.tree = trees.resolve("chain", cfg.max_draft)
         self.ar = Runner(self.ar_decoder, m.params)
         traced = SelfSpecDrafter(m.config, None, self.tree, cfg.threshold)  # the plan comes with the params

@@ -87,11 +87,6 @@ def draft_logits(params, hidden, config: ModelConfig):
                                          config.rms_norm_eps))
 
 
-def _put(buf, new, start):
-    """Write rows new [B, T, D] into buf [B, N, D] at each row's own start [B]."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0))(buf, new, start)
-
-
 @dataclasses.dataclass(frozen=True)
 class KangarooDrafter(ChainDrafter):
     """Draft params: the adapter {"attn_norm", "q", "k", "v", "o" (or Phi-3's "qkv"), "out_norm"}.
@@ -125,7 +120,7 @@ class KangarooDrafter(ChainDrafter):
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
         x, cache = model.run_layers(params, model.embed(params, tokens), positions, cache, slot, mask,
                                     config=self.config, plan=shallow_plan(self.config.num_layers, self.exit_layer))
-        exits = _put(state["exit"], x, slot - state["length"])
+        exits = kv.put_rows(state["exit"], x, slot - state["length"])
         # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
         return draft_logits(params, hidden[:, 0], self.config), cache, {**state, "exit": exits, "adapter": layer}

@@ -84,10 +84,6 @@ def parse_thresholds(text: str, num_exits: int) -> tuple[float, ...]:
     return values[:num_exits - 1]
 
 
-# Each row's own slice of a [B, S] buffer, from its own start.
-_put = jax.vmap(lambda buf, new, at: jax.lax.dynamic_update_slice_in_dim(buf, new, at, axis=0))
-
-
 def first_exit(confidence, thresholds):
     """[B] int32: the first exit j whose confidence [B, n] reaches thresholds[j] ([n-1]); else the last."""
     n = confidence.shape[-1]
@@ -197,14 +193,14 @@ class S2DDrafter(ChainDrafter):
         """Block 0 (the committed tail and the root, full depth) here; ChainDrafter drafts the rest."""
         g, n = self.tree.depth, len(self.exits)
         b, s = last.shape[0], kv.cache_len(cache)
-        history = _put(state["history"], last[:, None], length)
+        history = kv.put_rows(state["history"], last[:, None], length)
         start = jnp.maximum(length - g, 0)
         tokens = jax.vmap(lambda h, at: jax.lax.dynamic_slice_in_dim(h, at, g + 1))(history, start)
         positions = start[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
         hidden, dcache = self.full_depth(params, draft, tokens, positions, state["cache"], start,
                                          kv.causal_mask(start, g + 1, s))
         root = jnp.take_along_axis(hidden, (length - start)[:, None, None], axis=1)[:, 0]
-        reached = _put(state["reached"], jnp.full((b, g + 1), n, jnp.int32), start)
+        reached = kv.put_rows(state["reached"], jnp.full((b, g + 1), n, jnp.int32), start)
         # The root's proposal was paid for at full depth: it comes from the deepest exit.
         state = {**state, "cache": dcache, "history": history, "reached": reached,
                  "exit_counts": state["exit_counts"].at[n - 1].add(b), "root_logits": self.exit_logits(params, root)}
@@ -215,10 +211,10 @@ class S2DDrafter(ChainDrafter):
         if "root_logits" in state:  # ChainDrafter's block 0, already run by `draft` (a static branch)
             return state.pop("root_logits"), cache, state
         n, (b, t) = len(self.exits), tokens.shape
-        reached = _put(state["reached"], jnp.full((b, t), n, jnp.int32), slot)  # the block sees itself
+        reached = kv.put_rows(state["reached"], jnp.full((b, t), n, jnp.int32), slot)  # the block sees itself
         logits, exit_, dcache = self.nested(params, draft, tokens, positions, state["cache"], slot,
                                             lambda j: mask & (reached > j)[:, None, :])
-        reached = _put(reached, jnp.broadcast_to(exit_[:, None] + 1, (b, t)), slot)
+        reached = kv.put_rows(reached, jnp.broadcast_to(exit_[:, None] + 1, (b, t)), slot)
         counts = state["exit_counts"] + jnp.sum(jax.nn.one_hot(exit_, n, dtype=jnp.int32), axis=0)
         return logits, cache, {**state, "cache": dcache, "reached": reached, "exit_counts": counts}
 
@@ -228,7 +224,7 @@ class S2DDrafter(ChainDrafter):
     def update(self, state, length, accepted, path, emitted):
         # Accepted drafts sit at length+1 .. length+a, the bonus at the new length; the rest of the
         # write lands in scratch. The draft cache needs no commit: the next block 0 recomputes them.
-        return {**state, "history": _put(state["history"], emitted, length + 1)}
+        return {**state, "history": kv.put_rows(state["history"], emitted, length + 1)}
 
 
 def extra_bytes(params, draft) -> int:
