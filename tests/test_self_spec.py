@@ -75,6 +75,40 @@ def test_greedy_self_spec_is_ar_token_for_token(config, seed, tree):
     assert result.stats["mean_drafted"] > 0 and result.stats["verify_steps"] < 40
 
 
+@pytest.mark.parametrize("drafted, scored", [(0, 1), (3, 5), (5, 6)])
+def test_verification_scores_only_as_deep_as_was_drafted(drafted, scored):
+    # A chain of 5 verifies the prefix chain of depth 0, 1, 2, 4 or 5 that holds the drafted tokens. Every
+    # branch is compiled; the callback reports the one that ran.
+    from s3djax.sampling import Sampling
+    from s3djax.spec import verify
+
+    ran = []
+
+    class Recording(SelfSpecDrafter):
+        def score(self, params, cache, length, last, nodes, state, tree):
+            jax.debug.callback(lambda: ran.append(tree.num_nodes))
+            return super().score(params, cache, length, last, nodes, state, tree)
+
+    config, tree = LLAMA, TreeSpec.chain(5)
+    params = random_params(config, 0)
+    drafter = Recording(config, SkipPlan.parse("1", config.num_layers), tree)
+    length, last = jnp.asarray([4], jnp.int32), jnp.asarray([3], jnp.int32)
+    nodes = jnp.asarray([[7, 8, 9, 10, 11]], jnp.int32)
+    valid = jnp.arange(5)[None] < drafted
+    cache, accepted, emitted, _, _ = jax.block_until_ready(jax.jit(
+        lambda c, v: drafter.verify(params, {}, c, length, last, nodes, v, None, {}, None, Sampling()))(
+        kv.init_cache(config, 1, 16), valid))
+    assert ran == [scored]
+    # What it accepts, emits and commits is the whole chain's verification.
+    full_cache, full_accepted, full_emitted, _ = verify.verify(params, kv.init_cache(config, 1, 16), length, last,
+                                                               nodes, valid, config=config, tree=tree)
+    a = int(accepted[0])
+    assert a == int(full_accepted[0]) and emitted[0, :a + 1].tolist() == full_emitted[0, :a + 1].tolist()
+    end = 4 + a + 1
+    for ours, full in zip(cache, full_cache):
+        np.testing.assert_allclose(ours["k"][:, :end], full["k"][:, :end], rtol=1e-4, atol=1e-5)
+
+
 def test_a_plan_file_round_trips_and_bad_ones_are_refused(tmp_path):
     from s3djax.errors import UserError
 
