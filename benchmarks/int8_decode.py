@@ -36,7 +36,7 @@ def main():
     from s3djax import cache as kv
     from s3djax import device, model, quant, registry
     from s3djax.loading import load_model
-    from s3djax.spec.profile import ms_per_step
+    from s3djax.speculative.profile import ms_per_step
 
     bf16 = jnp.bfloat16
     smollm2 = load_model("smollm2-135m", dtype="bfloat16", progress=False)
@@ -53,9 +53,9 @@ def main():
         """One decode step carried through a loop with the cache in place, as the decode loop runs it."""
         def step(params, cache):
             token = jnp.ones((1, 1), jnp.int32)
-            hidden, cache = model.forward(params, token, length[:, None], cache, length, kv.causal(length, 1),
-                                          config=config)
-            return cache, jnp.argmax(model.logits(params, hidden), -1).astype(jnp.int32)
+            decoder, variables = model.Decoder(config), {"params": params}
+            hidden, cache = decoder.apply(variables, token, length[:, None], cache, length, kv.causal(length, 1))
+            return cache, jnp.argmax(decoder.apply(variables, hidden, method="logits"), -1).astype(jnp.int32)
         return ms_per_step(step, params, cache, args.repeats)[0]
 
     def weight_bytes(params, config):

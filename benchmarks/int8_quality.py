@@ -44,7 +44,7 @@ def main():
     def score(params, tokens):
         """Per-position argmax and log-probabilities [B, T, V] of a teacher-forced forward."""
         hidden, _ = model.forward_sequence(params, tokens, config=m.config, cache_dtype=jnp.float32)
-        logp = jax.nn.log_softmax(model.logits(params, hidden), axis=-1)
+        logp = jax.nn.log_softmax(model.Decoder(m.config).apply({"params": params}, hidden, method="logits"), axis=-1)
         return logp.argmax(-1), jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
 
     # Prompts padded at the end to one length (causal: padding never reaches a real position), so

@@ -36,11 +36,11 @@ def main():
     from s3djax.decode import ARDecoder, Runner
     from s3djax.errors import UserError
     from s3djax.methods import default_draft_plan
-    from s3djax.spec.draft_params import init_draft
-    from s3djax.spec.drafters.s3d import S3DDrafter
-    from s3djax.spec.loop import SpecDecoder
-    from s3djax.spec.profile import step_times
-    from s3djax.spec.tree import TreeSpec
+    from s3djax.speculative.draft_params import init_draft
+    from s3djax.speculative.drafters.s3d import S3DDrafter
+    from s3djax.speculative.loop import SpecDecoder
+    from s3djax.speculative.profile import step_times
+    from s3djax.speculative.tree import TreeSpec
 
     try:
         with open(args.acceptance) as f:

@@ -32,7 +32,7 @@ def main():
     from s3djax.bench_data import mt_bench
     from s3djax.decode import Runner
     from s3djax.loading import load_model
-    from s3djax.spec.loop import acceptance
+    from s3djax.speculative.loop import acceptance
     from s3djax.tokenizer import encode_prompt
 
     m = load_model("smollm2-135m", dtype=args.dtype)

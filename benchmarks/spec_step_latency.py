@@ -26,8 +26,8 @@ def main():
     from s3djax import device, methods
     from s3djax.decode import Runner
     from s3djax.loading import load_model
-    from s3djax.spec import tree as trees
-    from s3djax.spec.profile import step_times
+    from s3djax.speculative import tree as trees
+    from s3djax.speculative.profile import step_times
 
     m = load_model("smollm2-135m", dtype=args.dtype)
     built = methods.build("s3d", m, max_cache_len=args.cache_len, dtype=args.dtype, gamma=args.gamma)

@@ -71,7 +71,7 @@ def summarize(runs: list[dict], baseline: list[dict] | None, *, depth: int, memo
     `identical` (the share of outputs equal to ar's) is None when sampling: outputs then differ by
     design, and lossless means the same distribution.
     """
-    from s3djax.spec.loop import acceptance
+    from s3djax.speculative.loop import acceptance
 
     tps = pooled_tokens_per_s(runs)
     out = {"prompts": len(runs), "new_tokens": sum(len(r["tokens"]) for r in runs), "tokens_per_s": tps,

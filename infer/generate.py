@@ -114,7 +114,7 @@ def main(argv=None):
               f"{st['verify_steps']} verify steps, {st['mean_drafted']:.2f} drafted per step; {built.draft}",
               file=sys.stderr)
     if args.profile and result.stats:
-        from s3djax.spec.profile import step_times
+        from s3djax.speculative.profile import step_times
 
         state = runner.prefill(ids)  # reuses the compiled prefill
         result.stats.update({k: round(v, 2) for k, v in step_times(built.decoder, built.params, state).items()})

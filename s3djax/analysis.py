@@ -215,7 +215,7 @@ def measure_sets(loaded, prompt_sets: dict[str, list[dict]], *, method: str = "s
     runner = Runner(built.decoder, built.params)
     step_ms = None
     if step_times and method != "ar":
-        from s3djax.spec.profile import step_times as profile
+        from s3djax.speculative.profile import step_times as profile
 
         first = next(iter(prompt_sets.values()))[0]["ids"]
         step_ms = profile(built.decoder, built.params, runner.prefill(first), repeats=step_repeats)
@@ -230,7 +230,7 @@ def measure(loaded, prompts: list[dict], **kwargs) -> Measurement:
 
 
 def _pooled(loaded, built, results, *, method, gamma, tree, label, step_ms) -> Measurement:
-    from s3djax.spec.loop import acceptance
+    from s3djax.speculative.loop import acceptance
 
     tokens, decode_s = sum(len(r.tokens) - 1 for r in results), sum(r.decode_s for r in results)
     if method == "ar":

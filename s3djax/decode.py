@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import cache as kv
-from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
+from s3djax.model import Decoder
 from s3djax.sampling import Sampling, sample
 from s3djax.skip_plan import SkipPlan
 
@@ -47,7 +47,10 @@ class ARDecoder:
                             "raise --max-cache-len or shorten the prompt")
 
     def _step(self, params, tokens, positions, cache, slots, mask):
-        return model.forward(params, tokens, positions, cache, slots, mask, config=self.config, plan=self.plan)
+        return Decoder(self.config, self.plan).apply({"params": params}, tokens, positions, cache, slots, mask)
+
+    def _logits(self, params, hidden):
+        return Decoder(self.config).apply({"params": params}, hidden, method="logits")
 
     def start(self, params, prompt, lengths, key):
         """Prefill right-padded prompts [B, P] (real lengths [B]) and sample each row's first token."""
@@ -58,7 +61,7 @@ class ARDecoder:
         hidden, cache = self._step(params, prompt, positions, cache, slots, kv.causal_mask(slots, p, kv.cache_len(cache)))
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
         key, sub = jax.random.split(key)
-        first = sample(model.logits(params, last), sub, self.sampling)
+        first = sample(self._logits(params, last), sub, self.sampling)
         out = jnp.full((b, self.max_cache_len + self.slack), self.pad_id, jnp.int32).at[:, 0].set(first)
         return dict(tokens=out, cache=cache, step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
                     done=self.is_eos(first), key=key)
@@ -77,7 +80,7 @@ class ARDecoder:
             hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots,
                                        kv.causal(slots, 1))
             key, sub = jax.random.split(s["key"])
-            nxt = sample(model.logits(params, hidden[:, 0]), sub, self.sampling)
+            nxt = sample(self._logits(params, hidden[:, 0]), sub, self.sampling)
             nxt = jnp.where(s["done"], self.pad_id, nxt)
             tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], nxt[:, None], s["step"], axis=1)
             return dict(tokens=tokens, cache=cache, step=s["step"] + 1, last=nxt, length=slots + 1,

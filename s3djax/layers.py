@@ -1,22 +1,49 @@
-"""The pieces of a decoder layer, as pure functions over arrays."""
+"""The pieces of a decoder layer as Flax Linen modules: RMSNorm, rotary attention, SwiGLU MLP, Block.
+
+Modules are used pure-functionally: the K/V cache goes in as an argument and comes out as a
+result (no mutable collections), and LoRA adapters come in as an argument, so one jitted step
+serves the target and every draft over the same params tree.
+
+Weights are raw `self.param`s read through `quant.dot`, so any of them may be a `quant.Int8Weight`.
+Linear weights are [in, out]; Llama attention holds q/k/v/o and its MLP gate/up/down, Phi-3 the fused
+qkv and gate_up it ships with.
+"""
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from s3djax import cache as kv
+from s3djax import quant
 from s3djax.cache import PrefixTreeMask
+from s3djax.config import ModelConfig
 
 # A large finite negative instead of -inf: a fully masked row (padding) then gives a uniform
 # softmax instead of NaNs that would poison the cache through later layers.
 MASKED = -1e30
+dense_init = nn.initializers.normal(0.02)
 
 
-def rms_norm(x, weight, eps):
-    # As Hugging Face: normalise in fp32, cast back, then scale.
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        # As Hugging Face: normalise in fp32, cast back, then scale.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale * x32.astype(x.dtype)
+
+
+def linear(module: nn.Module, name: str, shape: tuple[int, int], h, lora):
+    """h @ W for the module's weight `name`, plus the low-rank update (h @ A) @ B where a draft adapter covers it."""
+    out = quant.dot(h, module.param(name, dense_init, shape))
+    if lora and name in lora:
+        out = out + (h @ lora[name]["a"]) @ lora[name]["b"]
+    return out
 
 
 def rope_tables(positions, inv_freq):
@@ -62,5 +89,67 @@ def attend(q, k, v, mask, new=None, impl: str = "xla"):
     return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
-def swiglu(gate, up):
-    return jax.nn.silu(gate) * up
+class Attention(nn.Module):
+    """Rotary grouped-query attention: writes the new K/V at `slots`, attends over the cache under `mask`."""
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h, layer_cache, *, cos, sin, slots, mask, lora=None):
+        c = self.config
+        b, t, d = h.shape
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        if c.arch == "phi3":
+            qkv = linear(self, "qkv", (d, q_size + 2 * kv_size), h, lora)
+            q, k, v = qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+        else:
+            q, k, v = (linear(self, n, (d, size), h, lora) for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size)))
+        q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+        layer_cache = kv.write(layer_cache, k, v, slots)
+        new = (k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype))
+        out = attend(q, layer_cache["k"], layer_cache["v"], mask, new, c.attention)
+        return linear(self, "o", (q_size, d), out, lora), layer_cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(h)) * up(h))."""
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h, lora=None):
+        d, f = self.config.hidden_size, self.config.intermediate_size
+        if self.config.arch == "phi3":
+            gate, up = jnp.split(linear(self, "gate_up", (d, 2 * f), h, lora), 2, axis=-1)
+        else:
+            gate, up = linear(self, "gate", (d, f), h, lora), linear(self, "up", (d, f), h, lora)
+        return linear(self, "down", (f, d), jax.nn.silu(gate) * up, lora)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer. `run_attn`/`run_mlp` are Python bools (a static plan: a skipped sub-layer
+    is never traced) or traced flags (a `DynamicPlan`: each sub-layer under `nn.cond`, one executable
+    for every plan, and a skipped sub-layer still does no work)."""
+    config: ModelConfig
+
+    def setup(self):
+        eps = self.config.rms_norm_eps
+        self.attn_norm, self.attn = RMSNorm(eps), Attention(self.config)
+        self.mlp_norm, self.mlp = RMSNorm(eps), MLP(self.config)
+
+    def attention(self, x, layer_cache, rope, slots, mask, lora):
+        y, layer_cache = self.attn(self.attn_norm(x), layer_cache, cos=rope[0], sin=rope[1], slots=slots, mask=mask,
+                                   lora=lora)
+        return x + y, layer_cache
+
+    def feed_forward(self, x, lora):
+        return x + self.mlp(self.mlp_norm(x), lora)
+
+    def __call__(self, x, layer_cache, *, rope, slots, mask, lora=None, run_attn=True, run_mlp=True):
+        if isinstance(run_attn, bool):
+            if run_attn:
+                x, layer_cache = self.attention(x, layer_cache, rope, slots, mask, lora)
+            return (self.feed_forward(x, lora) if run_mlp else x), layer_cache
+        x, layer_cache = nn.cond(run_attn, lambda m, x, c: m.attention(x, c, rope, slots, mask, lora),
+                                 lambda m, x, c: (x, c), self, x, layer_cache)
+        return nn.cond(run_mlp, lambda m, x: m.feed_forward(x, lora), lambda m, x: x, self, x), layer_cache

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s3djax import quant, registry
+from s3djax import registry
+from s3djax.built import Built, about_file, finetuned_target, target_from
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel
@@ -18,14 +19,6 @@ METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 def default_draft_plan(num_layers: int) -> SkipPlan:
     """S3D's default: skip about half the layers symmetrically around the middle (8-21 of 30)."""
     return SkipPlan.symmetric_middle(num_layers, num_layers // 2 - 1)
-
-
-@dataclasses.dataclass
-class Built:
-    decoder: object
-    params: object
-    warnings: list[str]
-    draft: str = ""  # which draft a speculative method uses, for the stats line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,46 +68,18 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     return builders[method](m, ar, opts, dtype)
 
 
-def finetuned_target(m: LoadedModel, layers: dict, dtype: str) -> dict:
-    """The target with a full-mode S3D draft's fine-tuned layers in place, quantized like the rest."""
-    from s3djax.loading import DTYPES
-    from s3djax.spec.draft_params import with_layers
-
-    params = with_layers(m.params, layers)
-    return quant.apply(params, m.quant, DTYPES[dtype], m.matmul) if m.quant != "none" else params
-
-
-def target_from(m: LoadedModel, path: str, dtype: str) -> tuple[dict, dict]:
-    """--target-from: (the fine-tuned target's params, the fine-tuned layers) of a full-mode S3D draft file."""
-    from s3djax.loading import DTYPES
-    from s3djax.spec.draft_params import load_draft
-
-    draft, _ = load_draft(path, m.config, DTYPES[dtype])
-    if "layers" not in draft:
-        raise UserError(f"--target-from {path} is not a full-mode s3d draft (it has no layers)")
-    return finetuned_target(m, draft["layers"], dtype), draft["layers"]
-
-
 def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
     params = target_from(m, opts.target_from, dtype)[0] if opts.target_from else m.params
     return Built(dataclasses.replace(ar, plan=plan), params, [])
 
 
-def about_file(path: str | None, meta: dict) -> str:
-    """How a stats line names a trained artifact."""
-    if not meta:
-        return "untrained"
-    return (f"{os.path.relpath(path)} ({meta.get('mode', 'trained')}, {meta.get('steps', '?')} steps, trained on "
-            f"{meta.get('trained_on', '?')})")
-
-
 def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.loading import DTYPES
-    from s3djax.spec import tree as trees
-    from s3djax.spec.draft_params import init_draft, load_draft
-    from s3djax.spec.drafters.s3d import S3DDrafter
-    from s3djax.spec.loop import SpecDecoder
+    from s3djax.speculative import tree as trees
+    from s3djax.speculative.draft_params import init_draft, load_draft
+    from s3djax.speculative.drafters.s3d import S3DDrafter
+    from s3djax.speculative.loop import SpecDecoder
 
     if opts.gamma < 1:
         raise UserError(f"--gamma must be at least 1, got {opts.gamma}")
@@ -138,10 +103,10 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.spec import tree as trees
-    from s3djax.spec.drafters.chain import check_spine
-    from s3djax.spec.drafters.self_spec import SelfSpecDrafter, load_plan
-    from s3djax.spec.loop import SpecDecoder
+    from s3djax.speculative import tree as trees
+    from s3djax.speculative.drafters.chain import check_spine
+    from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
+    from s3djax.speculative.loop import SpecDecoder
 
     warnings = []
     if opts.skip:
@@ -157,12 +122,12 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.spec.drafters.kangaroo import build_kangaroo
+    from s3djax.speculative.drafters.kangaroo import build_kangaroo
 
     return build_kangaroo(m, ar, opts, dtype)
 
 
 def _s2d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.spec.drafters.s2d import build_s2d
+    from s3djax.speculative.drafters.s2d_artifact import build_s2d
 
     return build_s2d(m, ar, opts, dtype)

@@ -98,15 +98,20 @@ def check_mode(mode: str, kernel: str = "xla") -> None:
 
 
 def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
-    """Params converted to `mode`; weights already in that form pass through unchanged."""
+    """Params converted to `mode`, by each weight's name; weights already in that form pass through unchanged."""
     check_mode(mode, kernel)
-    layers = [{k: linear(v, mode, dtype, kernel) if k in LINEARS else v for k, v in layer.items()}
-              for layer in params["layers"]]
-    return {**params, "layers": layers, **{k: table(params[k], mode, dtype, kernel) for k in TABLES if k in params}}
+
+    def convert(path, w):
+        name = path[-1].key
+        if name in LINEARS:
+            return linear(w, mode, dtype, kernel)
+        return table(w, mode, dtype, kernel) if name in TABLES and len(path) == 1 else w
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Int8Weight))
 
 
 def mode_of(params: dict) -> str:
-    if not any(isinstance(w, Int8Weight) for w in params["layers"][0].values()):
+    if not any(isinstance(w, Int8Weight) for w in jax.tree.leaves(params["layers_0"], is_leaf=lambda x: isinstance(x, Int8Weight))):
         return "none"
     return "int8-all" if isinstance(params["embed"], Int8Weight) else "int8"
 

@@ -17,24 +17,36 @@ import numpy as np
 from s3djax import quant
 from s3djax.config import ModelConfig, RopeScaling
 from s3djax.errors import UserError
+from s3djax.model import layer_key
 
 _LAYER = "model.layers.{}."
 QUANT_METHOD = "s3djax-int8"
-_LLAMA_LAYER = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                "gate": "mlp.gate_proj", "up": "mlp.up_proj"}
-_PHI3_LAYER = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}
-_SHARED_LAYER = {"o": "self_attn.o_proj", "down": "mlp.down_proj"}
-_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# The one weight-name mapping: a path in our params tree -> (Hugging Face name, kind). Linears are
+# stored [out, in] there and [in, out] here; tables are [V, D] in both.
+_GLOBAL = {("embed",): ("model.embed_tokens", "table"), ("final_norm", "scale"): ("model.norm", "vector"),
+           ("lm_head",): ("lm_head", "table")}
+_LLAMA_LAYER = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
+                ("attn", "v"): "self_attn.v_proj", ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj"}
+_PHI3_LAYER = {("attn", "qkv"): "self_attn.qkv_proj", ("mlp", "gate_up"): "mlp.gate_up_proj"}
+_SHARED_LAYER = {("attn", "o"): "self_attn.o_proj", ("mlp", "down"): "mlp.down_proj"}
+_NORMS = {("attn_norm", "scale"): "input_layernorm", ("mlp_norm", "scale"): "post_attention_layernorm"}
 
 
-def _layer_linears(config: ModelConfig) -> dict[str, str]:
-    return {**(_PHI3_LAYER if config.arch == "phi3" else _LLAMA_LAYER), **_SHARED_LAYER}
+def hf_names(config: ModelConfig) -> dict[tuple[str, ...], tuple[str, str]]:
+    """Every params-tree path of this model -> (its Hugging Face tensor name, "linear" | "table" | "vector")."""
+    names = {path: (name + ".weight", kind) for path, (name, kind) in _GLOBAL.items()
+             if path != ("lm_head",) or not config.tie_word_embeddings}
+    linears = {**(_PHI3_LAYER if config.arch == "phi3" else _LLAMA_LAYER), **_SHARED_LAYER}
+    for i in range(config.num_layers):
+        for kind, table_ in (("linear", linears), ("vector", _NORMS)):
+            for path, theirs in table_.items():
+                names[(layer_key(i),) + path] = (_LAYER.format(i) + theirs + ".weight", kind)
+    return names
 
 
 def num_tensors(config: ModelConfig) -> int:
     """How many tensors `from_hf_tensors` reads (for progress bars)."""
-    per_layer = len(_layer_linears(config)) + len(_NORMS)
-    return 2 + (not config.tie_word_embeddings) + config.num_layers * per_layer
+    return len(hf_names(config))
 
 
 def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype=jnp.float32,
@@ -44,27 +56,20 @@ def from_hf_tensors(get: Callable[[str], np.ndarray], config: ModelConfig, dtype
     quantization: None keeps each weight as the checkpoint stores it; a `quant.MODES` name converts
     each tensor as it is read (quantize on load), so a float copy of the whole model never exists.
     """
-
-    def linear(name):  # HF stores [out, in]; we multiply x @ w with w [in, out]
-        w = get(name + ".weight").T
-        return quant.linear(w, quantization or ("int8" if isinstance(w, quant.Int8Weight) else "none"), dtype, kernel)
-
-    def table(name):
-        w = get(name + ".weight")
-        return quant.table(w, quantization or ("int8-all" if isinstance(w, quant.Int8Weight) else "none"), dtype, kernel)
-
-    def vector(name):
-        return jnp.asarray(get(name + ".weight"), dtype)
-
-    layers = []
-    for i in range(config.num_layers):
-        prefix = _LAYER.format(i)
-        layer = {ours: linear(prefix + theirs) for ours, theirs in _layer_linears(config).items()}
-        layer.update({ours: vector(prefix + theirs) for ours, theirs in _NORMS.items()})
-        layers.append(layer)
-    params = {"embed": table("model.embed_tokens"), "layers": layers, "final_norm": vector("model.norm")}
-    if not config.tie_word_embeddings:
-        params["lm_head"] = table("lm_head")
+    params: dict = {}
+    for path, (name, kind) in hf_names(config).items():
+        w = get(name)
+        stored = isinstance(w, quant.Int8Weight)
+        if kind == "linear":  # HF stores [out, in]; we multiply x @ w with w [in, out]
+            w = quant.linear(w.T, quantization or ("int8" if stored else "none"), dtype, kernel)
+        elif kind == "table":
+            w = quant.table(w, quantization or ("int8-all" if stored else "none"), dtype, kernel)
+        else:
+            w = jnp.asarray(w, dtype)
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = w
     return params
 
 
@@ -72,25 +77,16 @@ def to_hf_tensors(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of `from_hf_tensors`: float weights in fp32, int8 ones as int8 `.weight` plus a
     `.weight_scale` per output channel (the layout `open_hf_folder` reads back)."""
     out = {}
-
-    def put(name, w, transpose=False):
+    for path, (name, kind) in hf_names(config).items():
+        w = params
+        for key in path:
+            w = w[key]
         if isinstance(w, quant.Int8Weight):
-            w = w.T if transpose else w
-            out[name + ".weight"], out[name + ".weight_scale"] = np.asarray(w.values), np.asarray(w.scale)
+            w = w.T if kind == "linear" else w
+            out[name], out[name.removesuffix(".weight") + ".weight_scale"] = np.asarray(w.values), np.asarray(w.scale)
         else:
             w = np.asarray(jnp.asarray(w, jnp.float32))
-            out[name + ".weight"] = w.T if transpose else w
-
-    put("model.embed_tokens", params["embed"])
-    put("model.norm", params["final_norm"])
-    if "lm_head" in params:
-        put("lm_head", params["lm_head"])
-    for i, layer in enumerate(params["layers"]):
-        prefix = _LAYER.format(i)
-        for ours, theirs in _layer_linears(config).items():
-            put(prefix + theirs, layer[ours], transpose=True)
-        for ours, theirs in _NORMS.items():
-            put(prefix + theirs, layer[ours])
+            out[name] = w.T if kind == "linear" else w
     return out
 
 

@@ -27,9 +27,10 @@ def naive_greedy(params, config, prompt, n, width=64):
     @jax.jit
     def full_forward(seq):
         slots = jnp.zeros((1,), jnp.int32)
-        hidden, _ = model.forward(params, seq, jnp.arange(width)[None], kv.init_cache(config, 1, width), slots,
-                                  kv.causal_mask(slots, width, width), config=config)
-        return model.logits(params, hidden[0])
+        decoder, variables = model.Decoder(config), {"params": params}
+        hidden, _ = decoder.apply(variables, seq, jnp.arange(width)[None], kv.init_cache(config, 1, width), slots,
+                                  kv.causal_mask(slots, width, width))
+        return decoder.apply(variables, hidden[0], method="logits")
 
     seq = list(prompt)
     for _ in range(n):
@@ -73,7 +74,8 @@ def test_skip_plan_decodes_the_skipped_model(tiny_params):
     from s3djax.skip_plan import SkipPlan
 
     plan = SkipPlan.parse("1", 3)
-    dropped = {**tiny_params, "layers": [tiny_params["layers"][0], tiny_params["layers"][2]]}
+    dropped = {**tiny_params, "layers_1": tiny_params["layers_2"]}
+    del dropped["layers_2"]
     got = Runner(ARDecoder(TINY, 64, eos_ids=(), plan=plan), tiny_params).generate([4, 2], 8).tokens
     assert got == naive_greedy(dropped, TINY.replace(num_layers=2), [4, 2], 8)
 

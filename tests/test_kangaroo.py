@@ -13,13 +13,14 @@ import pytest
 
 from s3djax import cache as kv
 from s3djax import model
+from s3djax.model import layer_key, with_layers
 from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
 from s3djax.methods import Options
-from s3djax.spec import verify
-from s3djax.spec.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
-from s3djax.spec.loop import SpecDecoder
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative import verify
+from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
+from s3djax.speculative.loop import SpecDecoder
+from s3djax.speculative.tree import TreeSpec
 from tiny import LLAMA, PHI3, random_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,10 +36,14 @@ def noisy(tree, seed, scale):
 def near_oracle(params, config, exit_layer, seed):
     """A target whose layers >= l barely change the residual stream, and an adapter with a small attention
     output: the draft nearly is the target, so whole chains are accepted, with some rejections."""
-    layers = [{**p, "o": p["o"] * 0.05, "down": p["down"] * 0.05} if i >= exit_layer else p
-              for i, p in enumerate(params["layers"])]
     adapter = init_adapter(params, config, exit_layer)
-    return {**params, "layers": layers}, {**adapter, "o": 0.05 * noisy(adapter["o"], seed, 1.0)}
+    return (with_layers(params, {i: scaled_outputs(params[layer_key(i)], 0.05) for i in range(exit_layer, config.num_layers)}),
+            {**adapter, "attn": {**adapter["attn"], "o": 0.05 * noisy(adapter["attn"]["o"], seed, 1.0)}})
+
+
+def scaled_outputs(layer, factor):
+    """A layer whose attention and MLP outputs are scaled by `factor` (both add to the residual stream)."""
+    return {"attn": {"o": layer["attn"]["o"] * factor}, "mlp": {"down": layer["mlp"]["down"] * factor}}
 
 
 def spec_decoder(config, exit_layer, tree, eta=0.0):
@@ -110,9 +115,9 @@ def recomputed_adapter_cache(config, params, adapter, exit_layer, tokens):
     t = len(tokens)
     zeros, positions = jnp.zeros((1,), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
     mask = kv.causal_mask(zeros, t, t)
-    exits, _ = model.run_layers(params, model.embed(params, jnp.asarray([tokens])), positions,
-                                kv.init_cache(config, 1, t), zeros, mask, config=config,
-                                plan=shallow_plan(config.num_layers, exit_layer))
+    shallow, variables = model.Decoder(config, shallow_plan(config.num_layers, exit_layer)), {"params": params}
+    x = shallow.apply(variables, jnp.asarray([tokens]), method="embed_tokens")
+    exits, _ = shallow.apply(variables, x, positions, kv.init_cache(config, 1, t), zeros, mask, method="run_layers")
     return adapter_hidden(adapter, exits, kv.init_cache(config, 1, t)[0], positions, zeros, mask, config=config)[1]
 
 
@@ -140,7 +145,7 @@ def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptanc
 
 def test_build_kangaroo_refuses_bad_adapters_and_exit_layers(tmp_path):
     from s3djax.loading import LoadedModel
-    from s3djax.spec.draft_params import save_artifact
+    from s3djax.speculative.draft_params import save_artifact
 
     m = LoadedModel("tiny-llama", LLAMA, random_params(LLAMA, 0), None, 0.0)
     ar = ARDecoder(LLAMA, CACHE, eos_ids=())
@@ -186,15 +191,15 @@ def test_the_loss_is_the_teacher_entropy_when_the_draft_is_the_target():
     # Layers >= l change nothing and the adapter adds nothing: draft and target distributions coincide.
     config, exit_layer = LLAMA, 2
     params, adapter = near_oracle(random_params(config, 9), config, exit_layer, 0)
-    params = {**params, "layers": [{**p, "o": 0 * p["o"], "down": 0 * p["down"]} if i >= exit_layer else p
-                                   for i, p in enumerate(params["layers"])]}
-    adapter = {**adapter, "o": 0 * adapter["o"]}
+    params = with_layers(params, {i: scaled_outputs(params[layer_key(i)], 0) for i in range(exit_layer, config.num_layers)})
+    adapter = {**adapter, "attn": {**adapter["attn"], "o": 0 * adapter["attn"]["o"]}}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 24)), jnp.int32)
     batch = {"tokens": tokens, "loss_mask": jnp.ones_like(tokens), "lengths": jnp.asarray([24, 17])}
     loss, sums = jax.jit(lambda *a: kangaroo_loss(*a, config=config, exit_layer=exit_layer, num_positions=8))(
         adapter, params, batch, jax.random.key(0))
     assert float(sums["depth_correct"][0]) == float(sums["depth_count"][0]) == 16
-    logits = jax.jit(lambda p: model.logits(p, model.forward_sequence(p, tokens, config=config)[0]))(params)
+    logits = jax.jit(lambda p: model.Decoder(config).apply(
+        {"params": p}, model.forward_sequence(p, tokens, config=config)[0], method="logits"))(params)
     entropy = -jnp.sum(jax.nn.softmax(logits) * jax.nn.log_softmax(logits), -1)
     assert float(entropy.min()) - 1e-4 <= float(loss) <= float(entropy.max()) + 1e-4
 

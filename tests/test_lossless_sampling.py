@@ -16,12 +16,12 @@ from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec import tree as trees
-from s3djax.spec import verify as verify_module
-from s3djax.spec.draft_params import init_draft
-from s3djax.spec.drafters.s3d import S3DDrafter
-from s3djax.spec.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
-from s3djax.spec.loop import SpecDecoder
+from s3djax.speculative import tree as trees
+from s3djax.speculative import verify as verify_module
+from s3djax.speculative.draft_params import init_draft
+from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
+from s3djax.speculative.loop import SpecDecoder
 from tests.tiny import LLAMA, random_params
 
 SMALL = ModelConfig(arch="llama", vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
@@ -43,7 +43,7 @@ def exact_joint(params, sampling: Sampling) -> np.ndarray:
 
     def dist(rows):
         hidden, _ = model.forward_sequence(params, jnp.asarray(rows, jnp.int32), config=SMALL)
-        return np.asarray(jax.nn.softmax(process_logits(model.logits(params, hidden[:, -1]), sampling), -1), np.float64)
+        return np.asarray(jax.nn.softmax(process_logits(model.Decoder(SMALL).apply({"params": params}, hidden[:, -1], method="logits"), sampling), -1), np.float64)
 
     grid = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
     p1 = dist([PROMPT])[0]

@@ -56,8 +56,9 @@ CASES = {
 @functools.partial(jax.jit, static_argnames=("config", "plan"))
 def _step(params, tokens, positions, cache, slots, mask, *, config, plan=None):
     """forward + logits under one jit: half the compiles, which dominate this file's runtime."""
-    hidden, cache = model.forward(params, tokens, positions, cache, slots, mask, config=config, plan=plan)
-    return model.logits(params, hidden), cache
+    decoder, variables = model.Decoder(config, plan), {"params": params}
+    hidden, cache = decoder.apply(variables, tokens, positions, cache, slots, mask)
+    return decoder.apply(variables, hidden, method="logits"), cache
 
 
 def _hf_config(arch, overrides, num_layers=LAYERS):
@@ -143,6 +144,21 @@ def test_to_hf_tensors_round_trip(ckpt):
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     again = weights.from_hf_tensors(ours.__getitem__, ckpt.config)
     chex.assert_trees_all_equal(again, ckpt.params)
+
+
+def test_the_weight_mapping_names_every_hf_tensor_once(ckpt):
+    # state_dict lists a tied lm_head under its own name too; the mapping reads it as the embedding.
+    hf_names = set(ckpt.hf.state_dict()) - ({"lm_head.weight"} if ckpt.config.tie_word_embeddings else set())
+    mapped = [name for name, _ in weights.hf_names(ckpt.config).values()]
+    assert len(mapped) == len(set(mapped)) and set(mapped) == hf_names
+    paths = {jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_leaves_with_path(ckpt.params)}
+    assert paths == {"/".join(p) for p in weights.hf_names(ckpt.config)}
+
+
+def test_decoder_init_gives_the_loaders_shapes(ckpt):
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+    assert shapes(model.init_params(ckpt.config, jax.random.key(0))) == shapes(ckpt.params)
+    assert shapes(model.abstract_params(ckpt.config)) == shapes(ckpt.params)
 
 
 # --------------------------------------------------------------------------------- logits

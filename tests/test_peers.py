@@ -60,7 +60,7 @@ def test_the_second_model_loads_from_the_cached_folder(smollm2, hf, cache_root, 
     monkeypatch.setattr(peers, "_write", lambda *a: pytest.fail("converted again instead of loading the cache"))
     again = peers.hf_model(smollm2, threads=1)
     np.testing.assert_array_equal(again.model.layers[3].self_attn.q_proj.weight.detach().numpy(),
-                                  np.asarray(smollm2.params["layers"][3]["q"]).T)
+                                  np.asarray(smollm2.params["layers_3"]["attn"]["q"]).T)
     np.testing.assert_array_equal(again.lm_head.weight.detach().numpy(), np.asarray(smollm2.params["embed"]))
     assert again.generation_config.eos_token_id == [2]
 

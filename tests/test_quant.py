@@ -9,10 +9,10 @@ from s3djax import model, quant, weights
 from s3djax.decode import ARDecoder, Runner
 from s3djax.loading import load_model
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec import tree as trees
-from s3djax.spec.draft_params import init_draft
-from s3djax.spec.drafters.s3d import S3DDrafter
-from s3djax.spec.loop import SpecDecoder
+from s3djax.speculative import tree as trees
+from s3djax.speculative.draft_params import init_draft
+from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.loop import SpecDecoder
 from tests.tiny import LLAMA, PHI3, random_params
 
 
@@ -32,7 +32,8 @@ def test_rounding_is_symmetric_per_output_channel_and_within_half_a_step():
 
 
 def _forward_logits(params, config, tokens):
-    return model.logits(params, model.forward_sequence(params, tokens, config=config, cache_dtype=jnp.float32)[0])
+    hidden = model.forward_sequence(params, tokens, config=config, cache_dtype=jnp.float32)[0]
+    return model.Decoder(config).apply({"params": params}, hidden, method="logits")
 
 
 @pytest.mark.parametrize("mode", ["int8", "int8-all"])
@@ -82,13 +83,14 @@ def test_smollm2_quantized_on_load_saves_loads_back_and_decodes_losslessly(smoll
 
     quantize_cli(["--model", "smollm2-135m", "--quant", "int8", "--out", str(tmp_path / "int8")])
     m = load_model(str(tmp_path / "int8"), progress=False)
-    assert m.quant == "int8" and isinstance(m.params["layers"][0]["q"], quant.Int8Weight)
+    assert m.quant == "int8" and isinstance(m.params["layers_0"]["attn"]["q"], quant.Int8Weight)
     # Quantized on load from the GGUF, saved and read back: equal to quantizing the float model.
     want = quant.apply(smollm2.params, "int8", jnp.float32)
     assert jax.tree.structure(m.params) == jax.tree.structure(want)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(m.params), jax.tree.leaves(want)))
     assert m.tokenizer.encode("Hello there") == smollm2.tokenizer.encode("Hello there")
-    linears = sum(w.size for layer in smollm2.params["layers"] for k, w in layer.items() if k in quant.LINEARS)
+    linears = sum(w.size for layer in model.layers_of(smollm2.params) for part in ("attn", "mlp")
+                  for w in layer[part].values())
     assert quant.param_bytes(smollm2.params) - quant.param_bytes(m.params) > 2.9 * linears
 
     ids = encode_prompt(m.tokenizer, "Name three primary colors.", chat_template=True)

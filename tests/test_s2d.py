@@ -11,9 +11,10 @@ import pytest
 from s3djax import model, quant
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
-from s3djax.spec import tree as trees
-from s3djax.spec.drafters.s2d import S2DDrafter, first_exit, init_lora, parse_exits, parse_thresholds
-from s3djax.spec.loop import SpecDecoder
+from s3djax.speculative import tree as trees
+from s3djax.speculative.drafters.s2d import S2DDrafter, first_exit
+from s3djax.speculative.drafters.s2d_artifact import init_lora, parse_exits, parse_thresholds
+from s3djax.speculative.loop import SpecDecoder
 from tiny import LLAMA, PHI3, random_params
 
 CACHE, BUCKET, EXITS = 96, 16, (1, 2, 3)
@@ -59,11 +60,12 @@ def case(config, target: str):
     draft = {"lora": lora, "thresholds": jnp.asarray(THRESHOLDS[config.arch])}
     if target == "int8":
         return quant.apply(original, "int8", jnp.float32), draft  # the draft runs on the int8 layers too
-    draft["layers"] = original["layers"][:EXITS[-1]]
+    draft["layers"] = model.layers_of(original)[:EXITS[-1]]
     if target == "other-layers":
         keys = iter(jax.random.split(jax.random.key(9), 1000))
-        tuned = jax.tree.map(lambda a: a * (1 + 0.1 * jax.random.normal(next(keys), a.shape)), original["layers"])
-        return {**original, "layers": tuned}, draft
+        tuned = jax.tree.map(lambda a: a * (1 + 0.1 * jax.random.normal(next(keys), a.shape)),
+                             dict(enumerate(model.layers_of(original))))
+        return model.with_layers(original, tuned), draft
     return original, draft
 
 
@@ -88,7 +90,7 @@ def test_first_exit_is_the_first_passing_exit_and_the_last_one_always_stops():
 
 def test_the_nested_forward_stops_where_first_exit_says():
     from s3djax import cache as kv
-    from s3djax.spec.drafters.s2d import confidence
+    from s3djax.speculative.drafters.s2d import confidence
 
     params, draft = case(LLAMA, "float")
     drafter = S2DDrafter(LLAMA, trees.TreeSpec.chain(4), EXITS)
@@ -100,7 +102,7 @@ def test_the_nested_forward_stops_where_first_exit_says():
     @jax.jit
     def run():
         # Every exit's logits at every position, the long way, and the full-depth cache of the sequence.
-        x, logits = model.embed(params, tokens), []
+        x, logits = drafter.embed(params, tokens), []
         for j in range(3):
             x, _ = drafter._segment(params, draft, j, x, positions, cache[j:j + 1], zero, mask)
             logits.append(drafter.exit_logits(params, x)[0])
@@ -202,7 +204,7 @@ def data(tmp_path_factory):
 
 def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     from s3djax.methods import Options
-    from s3djax.spec.drafters.s2d import build_s2d
+    from s3djax.speculative.drafters.s2d_artifact import build_s2d
     from tiny import TINY, tiny_config, tiny_model
     from train.s2d import store_thresholds, train_nested
 

@@ -10,7 +10,7 @@ import yaml
 
 from s3djax.loading import LoadedModel
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec.drafters.self_spec import AdaptiveThreshold, load_plan
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, load_plan
 from tiny import LLAMA, random_params
 from train import search_skip
 from train.search_skip import Evaluator, SearchConfig

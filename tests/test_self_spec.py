@@ -9,9 +9,9 @@ from s3djax import cache as kv
 from s3djax import methods, model
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import DynamicPlan, SkipPlan
-from s3djax.spec.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, load_plan, save_plan
-from s3djax.spec.loop import SpecDecoder
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, load_plan, save_plan
+from s3djax.speculative.loop import SpecDecoder
+from s3djax.speculative.tree import TreeSpec
 from tiny import LLAMA, PHI3, random_params
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -27,9 +27,11 @@ def test_a_traced_plan_gives_the_static_plans_logits(config, spec):
 
     def run(params, plan):
         cache = kv.init_cache(config, 1, 16)
-        hidden, cache = model.forward(params, tokens, jnp.arange(t)[None], cache, slots, kv.causal_mask(slots, t, 16),
-                                      config=config, plan=plan)
-        return model.logits(params, hidden), cache
+        static, dynamic = (plan, None) if isinstance(plan, SkipPlan) else (None, plan)
+        decoder, variables = model.Decoder(config, static), {"params": params}
+        hidden, cache = decoder.apply(variables, tokens, jnp.arange(t)[None], cache, slots, kv.causal_mask(slots, t, 16),
+                                      dynamic=dynamic)
+        return decoder.apply(variables, hidden, method="logits"), cache
 
     static = jax.jit(lambda p: run(p, plan))(params)
     traced = jax.jit(run)(params, DynamicPlan.of(plan))
@@ -80,7 +82,7 @@ def test_verification_scores_only_as_deep_as_was_drafted(drafted, scored):
     # A chain of 5 verifies the prefix chain of depth 0, 1, 2, 4 or 5 that holds the drafted tokens. Every
     # branch is compiled; the callback reports the one that ran.
     from s3djax.sampling import Sampling
-    from s3djax.spec import verify
+    from s3djax.speculative import verify
 
     ran = []
 

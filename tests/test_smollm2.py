@@ -28,10 +28,16 @@ def test_logits_match_transformers(smollm2, smollm2_hf):
     tokens = jnp.asarray([ids], jnp.int32)
     n, s = len(ids), 128
     slots = jnp.zeros((1,), jnp.int32)
-    fwd = jax.jit(model.forward, static_argnames=("config", "plan"))
-    hidden, _ = fwd(smollm2.params, tokens, jnp.arange(n)[None], kv.init_cache(smollm2.config, 1, s), slots,
-                    kv.causal_mask(slots, n, s), config=smollm2.config)
-    ours = np.asarray(model.logits(smollm2.params, hidden))[0]
+    decoder = model.Decoder(smollm2.config)
+
+    @jax.jit
+    def logits(params):
+        variables = {"params": params}
+        hidden, _ = decoder.apply(variables, tokens, jnp.arange(n)[None], kv.init_cache(smollm2.config, 1, s), slots,
+                                  kv.causal_mask(slots, n, s))
+        return decoder.apply(variables, hidden, method="logits")
+
+    ours = np.asarray(logits(smollm2.params))[0]
     with torch.no_grad():
         ref = smollm2_hf(torch.tensor([ids])).logits[0].numpy()
     assert ref.std() > 1.0  # real logits, not a degenerate comparison
@@ -65,3 +71,21 @@ def test_loading_needs_no_torch():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_tabulate_describes_the_decoder(smollm2):
+    table = model.Decoder(smollm2.config).tabulate(jax.random.key(0), *model.example_inputs(smollm2.config),
+                                                   console_kwargs={"width": 200})
+    assert "layers_29" in table and "Attention" in table and "MLP" in table
+    total = sum(np.size(leaf) for leaf in jax.tree.leaves(smollm2.params))
+    assert 134_000_000 < total < 135_000_000 and f"{total:,}" in table
+
+
+def test_every_method_applies_the_targets_own_layer_arrays(smollm2):
+    from s3djax import methods
+
+    target = {id(leaf) for leaf in jax.tree.leaves(smollm2.params)}
+    for method in ("s3d", "self-spec", "kangaroo", "s2d"):
+        params, draft = methods.build(method, smollm2, max_cache_len=64).params
+        assert {id(leaf) for leaf in jax.tree.leaves(params)} == target, method
+        assert not target & {id(leaf) for leaf in jax.tree.leaves(draft)}, method

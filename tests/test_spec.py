@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec import tree as trees
-from s3djax.spec.draft_params import init_draft, load_draft, save_draft
-from s3djax.spec.drafters.base import Drafter
-from s3djax.spec.drafters.s3d import S3DDrafter
-from s3djax.spec.loop import SpecDecoder
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative import tree as trees
+from s3djax.speculative.draft_params import init_draft, load_draft, save_draft
+from s3djax.speculative.drafters.base import Drafter
+from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.loop import SpecDecoder
+from s3djax.speculative.tree import TreeSpec
 from tiny import LLAMA, PHI3, random_params
 
 CACHE = 96
@@ -186,7 +186,7 @@ def test_smollm2_s3d_equals_ar(smollm2):
 
 
 def test_profiling_mode_times_each_step_apart():
-    from s3djax.spec.profile import step_times
+    from s3djax.speculative.profile import step_times
 
     params = random_params(LLAMA, 0)
     plan = SkipPlan.parse("1-2", LLAMA.num_layers)
@@ -227,19 +227,21 @@ def test_a_full_mode_draft_replaces_the_verifying_layers(smollm2, tmp_path):
     from s3djax import methods
 
     plan = methods.default_draft_plan(30)
-    tuned = smollm2.params["layers"][0]["q"] * 1.01
+    tuned = smollm2.params["layers_0"]["attn"]["q"] * 1.01
+    # The flat layer layout of files written before the Flax modules: nested on load.
     draft = {**init_draft(smollm2.params, smollm2.config, plan), "layers": {"0": {"q": tuned}}}
     save_draft(str(tmp_path / "full.npz"), draft, {"skip": plan.spec(), "gamma": 4, "mode": "full"})
     built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "full.npz"))
     params, loaded = built.params
     assert "trained in full mode" in built.warnings[0] and "layers" not in loaded
-    assert (params["layers"][0]["q"] == tuned).all() and params["layers"][1] is smollm2.params["layers"][1]
+    assert (params["layers_0"]["attn"]["q"] == tuned).all() and params["layers_1"] is smollm2.params["layers_1"]
+    assert params["layers_0"]["attn"]["k"] is smollm2.params["layers_0"]["attn"]["k"]
 
 
 def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
     from s3djax import methods, registry
     from s3djax.bench_data import mt_bench
-    from s3djax.spec.loop import acceptance
+    from s3djax.speculative.loop import acceptance
     from s3djax.tokenizer import encode_prompt
 
     path = registry.lookup("smollm2-135m").draft_path()

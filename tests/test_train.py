@@ -36,7 +36,7 @@ def without_timing(records):
 
 @pytest.mark.parametrize("mode", ["lossless", "full"])
 def test_a_few_steps_reduce_the_held_out_loss_and_export_a_draft(data, tmp_path, mode):
-    from s3djax.spec.draft_params import load_draft
+    from s3djax.speculative.draft_params import load_draft
     from tiny import TINY
 
     m = tiny_model()
@@ -130,6 +130,6 @@ def test_a_nan_loss_stops_with_a_message_and_keeps_the_last_checkpoint(data, tmp
     with pytest.raises(KeyboardInterrupt):
         train(tiny_config(data, str(tmp_path), steps=4), loaded=tiny_model(), progress=False, on_step=interrupt)
     broken = tiny_model()
-    broken.params["final_norm"] = broken.params["final_norm"] * np.nan
+    broken.params["final_norm"] = {"scale": broken.params["final_norm"]["scale"] * np.nan}
     with pytest.raises(UserError, match=r"loss became nan at step 3; .*last checkpoint \(step 2\) is intact"):
         train(tiny_config(data, str(tmp_path), steps=4), loaded=broken, progress=False)

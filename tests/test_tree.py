@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from s3djax.errors import UserError
-from s3djax.spec import tree as trees
-from s3djax.spec.tree import TreeSpec
-from s3djax.spec.verify import commit_path, greedy_accept, tree_mask
+from s3djax.speculative import tree as trees
+from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.verify import commit_path, greedy_accept, tree_mask
 
 # root 0; 1=(0,) 2=(1,) 3=(0,0) 4=(0,1) 5=(1,0) 6=(0,0,0)
 SMALL = TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])

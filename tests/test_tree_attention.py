@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_attention import choose_blocks, reference, tree_attention
-from s3djax.spec import tree as trees
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative import tree as trees
+from s3djax.speculative.tree import TreeSpec
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # bf16: inputs and output rounded, math in fp32
 
@@ -89,9 +89,9 @@ def test_block_choice_fits_the_buffer():
 def test_the_engine_is_lossless_with_pallas_attention(tree_name, gamma):
     from s3djax.decode import ARDecoder, Runner
     from s3djax.skip_plan import SkipPlan
-    from s3djax.spec.draft_params import init_draft
-    from s3djax.spec.drafters.s3d import S3DDrafter
-    from s3djax.spec.loop import SpecDecoder
+    from s3djax.speculative.draft_params import init_draft
+    from s3djax.speculative.drafters.s3d import S3DDrafter
+    from s3djax.speculative.loop import SpecDecoder
     from tiny import LLAMA, random_params
 
     params = random_params(LLAMA, 1)
@@ -106,3 +106,4 @@ def test_the_engine_is_lossless_with_pallas_attention(tree_name, gamma):
         outputs[impl, "ar"] = Runner(ar, params).generate(prompt, 30).tokens
         outputs[impl, "s3d"] = Runner(spec, (params, draft)).generate(prompt, 30).tokens
     assert len(set(map(tuple, outputs.values()))) == 1, outputs
+

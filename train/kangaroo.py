@@ -18,10 +18,9 @@ import jax.numpy as jnp
 
 from infer.cli import Parser, run
 from s3djax import cache as kv
-from s3djax import model
 from s3djax.config import ModelConfig
-from s3djax.layers import rms_norm
-from s3djax.spec.drafters.kangaroo import (adapter_hidden, check_exit_layer, deep_plan, default_exit_layer,
+from s3djax.model import Decoder
+from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_exit_layer, deep_plan, default_exit_layer,
                                            draft_logits, init_adapter, shallow_plan)
 from train.config import TrainConfig
 from train.loop import train
@@ -39,21 +38,22 @@ def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_laye
     """
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]
     b, t = tokens.shape
-    dtype = params["final_norm"].dtype
+    dtype = params["final_norm"]["scale"].dtype
     zeros = jnp.zeros((b,), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     mask = kv.causal_mask(zeros, t, t)
     # One target pass in two halves: the exit states are its layer-l residual stream.
-    exits, cache = model.run_layers(params, model.embed(params, tokens), positions, kv.init_cache(config, b, t, dtype),
-                                    zeros, mask, config=config, plan=shallow_plan(config.num_layers, exit_layer))
-    final, _ = model.run_layers(params, exits, positions, cache, zeros, mask, config=config,
-                                plan=deep_plan(config.num_layers, exit_layer))
+    shallow, deep, variables = (Decoder(config, shallow_plan(config.num_layers, exit_layer)),
+                                Decoder(config, deep_plan(config.num_layers, exit_layer)), {"params": params})
+    x = shallow.apply(variables, tokens, method="embed_tokens")
+    exits, cache = shallow.apply(variables, x, positions, kv.init_cache(config, b, t, dtype), zeros, mask,
+                                 method="run_layers")
+    final, _ = deep.apply(variables, exits, positions, cache, zeros, mask, method="run_layers")
     hidden, _ = adapter_hidden(adapter, jax.lax.stop_gradient(exits), kv.init_cache(config, b, t, dtype)[0], positions,
                                zeros, mask, config=config)
     at, valid = sample_anchors(key, loss_mask, lengths, num_positions)  # position i predicts token i + 1
     pick = lambda x: jnp.take_along_axis(x, at[..., None], axis=1)
-    teacher = jax.lax.stop_gradient(
-        model.logits(params, rms_norm(pick(final), params["final_norm"], config.rms_norm_eps)))
+    teacher = jax.lax.stop_gradient(deep.apply(variables, pick(final), method="exit_logits"))
     student = draft_logits(params, pick(hidden), config)
     weight = valid.astype(jnp.float32)
     per = -jnp.sum(jax.nn.softmax(teacher) * jax.nn.log_softmax(student), axis=-1)
@@ -86,7 +86,7 @@ class KangarooTask:
                              num_positions=self.num_positions)
 
     def export(self, out, trained, meta):
-        from s3djax.spec.draft_params import save_artifact
+        from s3djax.speculative.draft_params import save_artifact
 
         path = os.path.join(out, "draft.npz")  # the name every training run exports, which the tooling reads
         save_artifact(path, trained, {**meta, "method": "kangaroo", "exit_layer": self.exit_layer,

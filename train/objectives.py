@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import model
 from s3djax.config import ModelConfig
+from s3djax.model import Decoder, forward_sequence
 from s3djax.skip_plan import SkipPlan
 
 TARGETS = ("data", "greedy", "kl")
@@ -47,16 +47,16 @@ def block_logits(params, draft, context_cache, tokens, anchors, *, config: Model
     """Draft logits [B, A, gamma, V] of every anchor's block, all blocks in one forward."""
     b, t = tokens.shape
     a = anchors.shape[1]
-    first = model.embed(params, jnp.take_along_axis(tokens, anchors, axis=1))                 # [B, A, D]
+    decoder, variables = Decoder(config, plan), {"params": params}
+    first = decoder.apply(variables, jnp.take_along_axis(tokens, anchors, axis=1), method="embed_tokens")  # [B, A, D]
     rest = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, a, gamma - 1, first.shape[-1]))
     embeds = jnp.concatenate([first[:, :, None], rest], axis=2).reshape(b, a * gamma, -1)
     positions = (anchors[:, :, None] + jnp.arange(gamma)[None, None]).reshape(b, a * gamma)
     pad = ((0, 0), (0, a * gamma), (0, 0), (0, 0))
     cache = [{"k": jnp.pad(c["k"], pad), "v": jnp.pad(c["v"], pad)} for c in context_cache]
-    hidden, _ = model.forward(params, None, positions, cache, jnp.full((b,), t, jnp.int32),
-                              block_mask(anchors, t, gamma), config=config, plan=plan, embeds=embeds,
-                              lora=draft.get("lora"))
-    return model.logits(params, hidden).reshape(b, a, gamma, -1)
+    hidden, _ = decoder.apply(variables, None, positions, cache, jnp.full((b,), t, jnp.int32),
+                              block_mask(anchors, t, gamma), embeds=embeds, lora=draft.get("lora"))
+    return decoder.apply(variables, hidden, method="logits").reshape(b, a, gamma, -1)
 
 
 def _cross_entropy(logits, labels):
@@ -72,7 +72,8 @@ def s3d_loss(params, draft, batch, key, *, config: ModelConfig, plan: SkipPlan, 
     count) so that gradient accumulation and devices add up exactly.
     """
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]
-    hidden, context_cache = model.forward_sequence(params, tokens, config=config)
+    hidden, context_cache = forward_sequence(params, tokens, config=config)
+    logits = lambda h: Decoder(config).apply({"params": params}, h, method="logits")
     anchors, valid = sample_anchors(key, loss_mask, lengths, num_anchors)
     draft_logits = block_logits(params, draft, context_cache, tokens, anchors, config=config, plan=plan, gamma=gamma)
 
@@ -84,7 +85,7 @@ def s3d_loss(params, draft, batch, key, *, config: ModelConfig, plan: SkipPlan, 
     gather = lambda x: jnp.take_along_axis(x, index(1), axis=1).reshape(at.shape)
     weight = (valid[:, :, None] & (at + 1 < lengths[:, None, None]) & (gather(loss_mask) > 0)).astype(jnp.float32)
     full_logits = jax.lax.stop_gradient(
-        model.logits(params, jnp.take_along_axis(hidden, index(0)[..., None], axis=1)).reshape(draft_logits.shape))
+        logits(jnp.take_along_axis(hidden, index(0)[..., None], axis=1)).reshape(draft_logits.shape))
     greedy = jnp.argmax(full_logits, axis=-1)
     if target == "data":
         per = _cross_entropy(draft_logits, gather(tokens))
@@ -104,7 +105,7 @@ def s3d_loss(params, draft, batch, key, *, config: ModelConfig, plan: SkipPlan, 
     loss = jnp.sum(sums["depth_loss"]) / jnp.maximum(jnp.sum(sums["depth_count"]), 1.0)
     if lm_weight:
         lm_mask = (loss_mask[:, 1:] > 0) & (jnp.arange(1, t)[None] < lengths[:, None])
-        lm = _cross_entropy(model.logits(params, hidden[:, :-1]), tokens[:, 1:])
+        lm = _cross_entropy(logits(hidden[:, :-1]), tokens[:, 1:])
         sums["lm_loss"] = jnp.sum(lm * lm_mask)
         sums["lm_count"] = jnp.sum(lm_mask).astype(jnp.float32)
         loss = loss + lm_weight * sums["lm_loss"] / jnp.maximum(sums["lm_count"], 1.0)

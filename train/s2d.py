@@ -30,10 +30,10 @@ import numpy as np
 
 from infer.cli import Parser, run
 from s3djax import cache as kv
-from s3djax import model
 from s3djax.config import ModelConfig
-from s3djax.layers import rms_norm
-from s3djax.spec.drafters.s2d import ARTIFACT_KIND, init_lora, parse_exits
+from s3djax.model import Decoder, forward_sequence
+from s3djax.speculative.drafters.s2d import run_segment
+from s3djax.speculative.drafters.s2d_artifact import ARTIFACT_KIND, init_lora, parse_exits
 from train.config import TrainConfig
 from train.loop import train
 from train.objectives import _cross_entropy, sample_anchors
@@ -46,10 +46,9 @@ def exit_hidden(params, lora, tokens, *, config: ModelConfig, exits: tuple[int, 
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cache = kv.init_cache(config.replace(num_layers=exits[-1]), b, t, params["embed"].dtype)
     mask = kv.causal_mask(zeros, t, t)
-    x, out, lo = model.embed(params, tokens), [], 0
+    x, out, lo = Decoder(config).apply({"params": params}, tokens, method="embed_tokens"), [], 0
     for hi in exits:
-        x, _ = model.run_layers({"layers": params["layers"][lo:hi]}, x, positions, cache[lo:hi], zeros, mask,
-                                config=config, lora=lora[lo:hi])
+        x, _ = run_segment(config, params, lo, hi, x, positions, cache[lo:hi], zeros, mask, lora=lora)
         out.append(x)
         lo = hi
     return out
@@ -68,13 +67,14 @@ def soft_loss(params, lora, batch, key, *, config: ModelConfig, exits: tuple[int
     at, valid = sample_anchors(key, loss_mask, lengths, num_positions)   # [B, A]: position at predicts at + 1
     weight = valid.astype(jnp.float32)
     pick = lambda h: jnp.take_along_axis(h, at[..., None], axis=1)
-    full_hidden, _ = model.forward_sequence(params, tokens, config=config)
-    full = jax.lax.stop_gradient(model.logits(params, pick(full_hidden)))
+    decoder, variables = Decoder(config), {"params": params}
+    full_hidden, _ = forward_sequence(params, tokens, config=config)
+    full = jax.lax.stop_gradient(decoder.apply(variables, pick(full_hidden), method="logits"))
     greedy = jnp.argmax(full, axis=-1)
     labels = {"data": jnp.take_along_axis(tokens, at + 1, axis=1), "greedy": greedy}.get(target)
     sums = {"depth_loss": [], "depth_correct": [], "depth_count": []}
     for h in exit_hidden(params, lora, tokens, config=config, exits=exits):
-        logits = model.logits(params, rms_norm(pick(h), params["final_norm"], config.rms_norm_eps))
+        logits = decoder.apply(variables, pick(h), method="exit_logits")
         if labels is not None:
             per = _cross_entropy(logits, labels)
         else:  # kl: KL(p_full || q_exit), written without log q so no 0 * -inf appears
@@ -109,7 +109,7 @@ class S2DTask:
                          num_positions=self.num_positions, target=self.cfg.target)
 
     def export(self, out, trained, meta):
-        from s3djax.spec.draft_params import save_artifact
+        from s3djax.speculative.draft_params import save_artifact
 
         path = os.path.join(out, "draft.npz")
         save_artifact(path, {"lora": trained["lora"]},
@@ -143,13 +143,13 @@ def sweep(draft_path: str, *, target_from: str | None = None, settings=SETTINGS,
     from s3djax.bench_data import mt_bench
     from s3djax.decode import bucket
     from s3djax.loading import load_model
-    from s3djax.spec.drafters.s2d import target_key
+    from s3djax.speculative.drafters.s2d_artifact import target_key
     from s3djax.tokenizer import encode_prompt
 
     targets = [("bfloat16", dict(dtype="bfloat16"), None), ("int8", dict(dtype="bfloat16", quantization="int8"), None)]
     if target_from:
         targets.append(("full-mode", dict(dtype="bfloat16"), target_from))
-    from s3djax.spec.draft_params import load_artifact
+    from s3djax.speculative.draft_params import load_artifact
 
     model_name, results = load_artifact(draft_path, jnp.float32, ARTIFACT_KIND)[1].get("model", "smollm2-135m"), {}
     for name, load, tf in targets:
@@ -189,7 +189,7 @@ def sweep(draft_path: str, *, target_from: str | None = None, settings=SETTINGS,
 
 def store_thresholds(draft_path: str, chosen: dict) -> None:
     """Rewrite the artifact with `chosen` {target key: [thresholds]} in its metadata."""
-    from s3djax.spec.draft_params import load_artifact, save_artifact
+    from s3djax.speculative.draft_params import load_artifact, save_artifact
 
     tree, meta = load_artifact(draft_path, jnp.float32, ARTIFACT_KIND)
     save_artifact(draft_path, tree, {**meta, "thresholds": {**meta.get("thresholds", {}), **chosen}})

@@ -49,7 +49,7 @@ class S3DTask:
                         lm_weight=cfg.lm_weight if cfg.mode == "full" else 0.0)
 
     def export(self, out, trained, meta):
-        from s3djax.spec.draft_params import save_draft
+        from s3djax.speculative.draft_params import save_draft
 
         path = os.path.join(out, "draft.npz")
         cfg = self.cfg

@@ -33,9 +33,9 @@ from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec import tree as trees
-from s3djax.spec.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, save_plan
-from s3djax.spec.loop import SpecDecoder
+from s3djax.speculative import tree as trees
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, save_plan
+from s3djax.speculative.loop import SpecDecoder
 
 STUDY = "self-spec-skip"
 PARTS = ("attn", "mlp")

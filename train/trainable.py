@@ -3,25 +3,26 @@
 The optimizer only ever sees the trainable tree, so "gradients reach only what the mode allows"
 holds by construction; `assemble` puts the two trees back together for the forward pass.
 - lossless: {"mask_embed", "lora"}: draft-only; the target is untouched.
-- full: {"mask_embed", "layers": {"i": {weight: array}}} over the sub-layers the draft runs; the
-  trained layers replace the target's, and the skipped ones stay frozen.
+- full: {"mask_embed", "layers": {"i": {sub-module: {weight: array}}}} over the sub-layers the draft
+  runs; the trained layers replace the target's, and the skipped ones stay frozen.
 """
 
 from __future__ import annotations
 
 from s3djax.config import ModelConfig
+from s3djax.model import layers_of, with_layers
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec.draft_params import init_draft, with_layers
+from s3djax.speculative.draft_params import init_draft
 
-_ATTN = ("attn_norm", "q", "k", "v", "o", "qkv")
-_MLP = ("mlp_norm", "gate", "up", "down", "gate_up")
+_ATTN = ("attn_norm", "attn")
+_MLP = ("mlp_norm", "mlp")
 
 
 def init_trainable(params, config: ModelConfig, plan: SkipPlan, mode: str, lora_rank: int, key) -> dict:
     if mode == "lossless":
         return init_draft(params, config, plan, lora_rank=lora_rank, key=key)
     layers = {}
-    for i, layer in enumerate(params["layers"]):
+    for i, layer in enumerate(layers_of(params)):
         names = (_ATTN if plan.attn[i] else ()) + (_MLP if plan.mlp[i] else ())
         if names:
             layers[str(i)] = {n: w for n, w in layer.items() if n in names}

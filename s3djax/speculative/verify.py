@@ -11,11 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import model
 from s3djax.cache import PrefixTreeMask
 from s3djax.config import ModelConfig
+from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative.tree import TreeSpec
 
 
 def tree_mask(length, tree: TreeSpec) -> PrefixTreeMask:
@@ -90,8 +90,9 @@ def score(params, cache, length, last, nodes, *, config: ModelConfig, tree: Tree
     """The full target over [root + nodes]: (logits [B, N, V], cache with every node's K/V in its scratch slot)."""
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
     positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
-    hidden, cache = model.forward(params, tokens, positions, cache, length, tree_mask(length, tree), config=config)
-    return model.logits(params, hidden), cache
+    decoder = Decoder(config)
+    hidden, cache = decoder.apply({"params": params}, tokens, positions, cache, length, tree_mask(length, tree))
+    return decoder.apply({"params": params}, hidden, method="logits"), cache
 
 
 def accept(logits, last, nodes, valid, *, tree: TreeSpec, sampling: Sampling = Sampling(), child_probs=None,

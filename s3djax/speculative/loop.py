@@ -24,7 +24,7 @@ from s3djax.errors import UserError
 @dataclasses.dataclass(frozen=True)
 class SpecDecoder:
     ar: ARDecoder        # prefill, EOS and padding settings; its slack covers one block and one tree
-    drafter: object      # see s3djax.spec.drafters
+    drafter: object      # see s3djax.speculative.drafters
 
     @classmethod
     def create(cls, ar: ARDecoder, drafter) -> "SpecDecoder":

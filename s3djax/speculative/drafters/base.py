@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from s3djax.sampling import Sampling
-from s3djax.spec.verify import verify
+from s3djax.speculative.verify import verify
 
 
 class Drafter:

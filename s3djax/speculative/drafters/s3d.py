@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import cache as kv
-from s3djax import model
 from s3djax.config import ModelConfig
+from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec.drafters.base import Drafter
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative.drafters.base import Drafter
+from s3djax.speculative.tree import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +31,14 @@ class S3DDrafter(Drafter):
         (slots < length) and itself causally, at every layer the plan keeps.
         """
         b = last.shape[0]
-        first = model.embed(params, last)[:, None]
+        decoder, variables = Decoder(self.config, self.plan), {"params": params}
+        first = decoder.apply(variables, last, method="embed_tokens")[:, None]
         masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
         positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]
         mask = kv.causal(length, self.gamma)
-        hidden, cache = model.forward(params, None, positions, cache, length, mask, config=self.config,
-                                      plan=self.plan, embeds=jnp.concatenate([first, masks], axis=1),
-                                      lora=draft.get("lora"))
-        return model.logits(params, hidden), cache
+        hidden, cache = decoder.apply(variables, None, positions, cache, length, mask,
+                                      embeds=jnp.concatenate([first, masks], axis=1), lora=draft.get("lora"))
+        return decoder.apply(variables, hidden, method="logits"), cache
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         logits, cache = self.block_logits(params, draft, cache, length, last)

@@ -14,12 +14,12 @@ import os
 import jax.numpy as jnp
 import yaml
 
-from s3djax import model
 from s3djax.config import ModelConfig
+from s3djax.model import Decoder
 from s3djax.errors import UserError
 from s3djax.skip_plan import DynamicPlan, SkipPlan
-from s3djax.spec.drafters.chain import ChainDrafter
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative.drafters.chain import ChainDrafter
+from s3djax.speculative.tree import TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +63,10 @@ class SelfSpecDrafter(ChainDrafter):
         return {**self.threshold.init(), "drafted": jnp.zeros(prompt.shape[:1], jnp.int32)}
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
-        plan = self.plan if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
-        hidden, cache = model.forward(params, tokens, positions, cache, slot, mask, config=self.config, plan=plan)
-        return model.logits(params, hidden[:, 0]), cache, state
+        dynamic = None if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
+        decoder, variables = Decoder(self.config, self.plan), {"params": params}
+        hidden, cache = decoder.apply(variables, tokens, positions, cache, slot, mask, dynamic=dynamic)
+        return decoder.apply(variables, hidden[:, 0], method="logits"), cache, state
 
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) >= state["threshold"]

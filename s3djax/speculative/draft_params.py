@@ -19,14 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import quant
+from s3djax.model import layers_of
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.skip_plan import SkipPlan
 
 MASK_TOKEN_KIND = "extra-row"
-
-
-_ATTENTION_WEIGHTS = ("q", "k", "v", "o", "qkv")
 
 
 def adapter_targets(config: ModelConfig) -> tuple[str, ...]:
@@ -43,25 +41,18 @@ def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 
     if lora_rank:
         key = jax.random.key(0) if key is None else key
         lora = []
-        for i, layer in enumerate(params["layers"]):
+        for i, layer in enumerate(layers_of(params)):
             adapters = {}
-            for name in adapter_targets(config):
-                if plan.attn[i] if name in _ATTENTION_WEIGHTS else plan.mlp[i]:
-                    key, sub = jax.random.split(key)
-                    d_in, d_out = layer[name].shape
-                    adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
-                        layer[name].dtype), "b": jnp.zeros((lora_rank, d_out), layer[name].dtype)}
+            for part, runs in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])):
+                for name, w in layer[part].items() if runs else ():
+                    if name in adapter_targets(config):
+                        key, sub = jax.random.split(key)
+                        d_in, d_out = w.shape
+                        adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
+                            w.dtype), "b": jnp.zeros((lora_rank, d_out), w.dtype)}
             lora.append(adapters)
         draft["lora"] = lora
     return draft
-
-
-def with_layers(params: dict, layers: dict) -> dict:
-    """params with some layers' weights replaced: {"i": {name: array}} (a full-mode draft's target)."""
-    new = list(params["layers"])
-    for i, weights in layers.items():
-        new[int(i)] = {**new[int(i)], **weights}
-    return {**params, "layers": new}
 
 
 def save_draft(path: str, draft: dict, meta: dict) -> None:
@@ -93,8 +84,24 @@ def load_artifact(path: str, dtype, kind: str = "draft") -> tuple[dict, dict]:
     return tree, meta
 
 
+def nest_layer(layer: dict) -> dict:
+    """A full-mode draft's layer as the Flax tree holds it; files written before the Flax modules hold
+    flat {weight name: array} layers and are nested on load."""
+    out = {}
+    for name, w in layer.items():
+        if isinstance(w, dict):
+            out[name] = {**out.get(name, {}), **w}
+        elif name.endswith("_norm"):
+            out[name] = {"scale": w}
+        else:
+            out.setdefault("attn" if name in ("q", "k", "v", "o", "qkv") else "mlp", {})[name] = w
+    return out
+
+
 def load_draft(path: str, config: ModelConfig, dtype) -> tuple[dict, dict]:
     draft, meta = load_artifact(path, dtype)
+    if "layers" in draft:
+        draft["layers"] = {i: nest_layer(layer) for i, layer in draft["layers"].items()}
     if meta.get("mask_token") != MASK_TOKEN_KIND:
         raise UserError(f"{path}: unsupported mask token kind {meta.get('mask_token')!r}")
     if draft["mask_embed"].shape != (config.hidden_size,):

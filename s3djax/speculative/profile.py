@@ -12,9 +12,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from s3djax.spec.loop import SpecDecoder
-from s3djax.spec.tree import TreeSpec
-from s3djax.spec.verify import verify
+from s3djax.speculative.loop import SpecDecoder
+from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.verify import verify
 
 ROOT_ONLY = TreeSpec(())  # verifying the root alone is exactly an AR step
 

@@ -20,9 +20,9 @@ from s3djax import cache as kv
 from s3djax.cache import PrefixTreeMask
 from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
-from s3djax.spec import verify
-from s3djax.spec.drafters.base import Drafter
-from s3djax.spec.tree import TreeSpec
+from s3djax.speculative import verify
+from s3djax.speculative.drafters.base import Drafter
+from s3djax.speculative.tree import TreeSpec
 
 
 def check_spine(tree: TreeSpec, method: str) -> TreeSpec:

@@ -26,21 +26,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from s3djax import cache as kv
-from s3djax import model, quant
+from s3djax import quant
+from s3djax.built import Built, about_file
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
-from s3djax.layers import rms_norm, rope_tables
+from s3djax.layers import Attention, RMSNorm, rope_tables
+from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
-from s3djax.spec import verify
-from s3djax.spec.drafters.chain import ChainDrafter, check_spine
-from s3djax.spec.tree import TreeSpec
-
-ATTENTION = ("attn_norm", "q", "k", "v", "o", "qkv")
+from s3djax.speculative import verify
+from s3djax.speculative.drafters.chain import ChainDrafter, check_spine
+from s3djax.speculative.tree import TreeSpec
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -65,31 +66,56 @@ def deep_plan(num_layers: int, exit_layer: int) -> SkipPlan:
     return SkipPlan.skipping_layers(num_layers, range(exit_layer))
 
 
+class Adapter(nn.Module):
+    """x + attention(RMSNorm_in(x)), then RMSNorm_out: params {"attn_norm", "attn", "out_norm"}."""
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, layer_cache, positions, slots, mask):
+        c = self.config
+        cos, sin = rope_tables(positions, jnp.asarray(c.rope_inv_freq()))
+        y, layer_cache = Attention(c, name="attn")(RMSNorm(c.rms_norm_eps, name="attn_norm")(x), layer_cache, cos=cos,
+                                                   sin=sin, slots=slots, mask=mask)
+        return RMSNorm(c.rms_norm_eps, name="out_norm")(x + y), layer_cache
+
+
 def init_adapter(params, config: ModelConfig, exit_layer: int) -> dict:
     """The adapter's starting point: layer l's attention weights (the layer the draft replaces) and a unit
     output norm (the shared final norm brings its weight). Float even where the target is int8."""
-    layer = params["layers"][exit_layer]
-    adapter = {name: quant.dequantize(w) for name, w in layer.items() if name in ATTENTION}
-    return {**adapter, "out_norm": jnp.ones_like(params["final_norm"])}
+    layer = params[layer_key(exit_layer)]
+    return {"attn_norm": layer["attn_norm"], "attn": jax.tree.map(quant.dequantize, layer["attn"], is_leaf=_is_weight),
+            "out_norm": {"scale": jnp.ones_like(params["final_norm"]["scale"])}}
+
+
+def _is_weight(x) -> bool:
+    return isinstance(x, quant.Int8Weight)
+
+
+def nest_adapter(adapter: dict) -> dict:
+    """An adapter file's tree as `Adapter` reads it; files written before the Flax modules hold the flat
+    {"attn_norm", "q", "k", "v", "o" (or "qkv"), "out_norm"} and are nested on load."""
+    if "attn" in adapter:
+        return adapter
+    norms = ("attn_norm", "out_norm")
+    return {**{n: {"scale": adapter[n]} for n in norms if n in adapter},
+            "attn": {k: v for k, v in adapter.items() if k not in norms}}
 
 
 def adapter_hidden(adapter, x, layer_cache, positions, slots, mask, *, config: ModelConfig):
     """Exit states [B, T, D] through the adapter: (normed states ready for the final norm, layer cache)."""
-    cos, sin = rope_tables(positions, jnp.asarray(config.rope_inv_freq()))
-    y, layer_cache = model.attention_block(adapter, None, x.astype(adapter["attn_norm"].dtype), layer_cache, cos=cos,
-                                           sin=sin, slots=slots, mask=mask, config=config)
-    return rms_norm(y, adapter["out_norm"], config.rms_norm_eps), layer_cache
+    x = x.astype(adapter["attn_norm"]["scale"].dtype)
+    return Adapter(config).apply({"params": adapter}, x, layer_cache, positions, slots, mask)
 
 
 def draft_logits(params, hidden, config: ModelConfig):
     """The shared final norm and LM head over adapter outputs."""
-    return model.logits(params, rms_norm(hidden.astype(params["final_norm"].dtype), params["final_norm"],
-                                         config.rms_norm_eps))
+    hidden = hidden.astype(params["final_norm"]["scale"].dtype)
+    return Decoder(config).apply({"params": params}, hidden, method="exit_logits")
 
 
 @dataclasses.dataclass(frozen=True)
 class KangarooDrafter(ChainDrafter):
-    """Draft params: the adapter {"attn_norm", "q", "k", "v", "o" (or Phi-3's "qkv"), "out_norm"}.
+    """Draft params: the `Adapter`'s {"attn_norm", "attn", "out_norm"}.
 
     State: {"exit": [B, N, D] exit states by tree node (root = 0), "adapter": the adapter's one-layer
     cache, "length": [B] the committed length the current draft started from}.
@@ -106,8 +132,7 @@ class KangarooDrafter(ChainDrafter):
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         mask = kv.causal_mask(zeros, p, kv.cache_len(cache))
         # The prefill already wrote these layers' K/V: the cache this returns holds the same values, so it is dropped.
-        exits, _ = model.run_layers(params, model.embed(params, prompt), positions, cache, zeros, mask,
-                                    config=self.config, plan=shallow_plan(self.config.num_layers, self.exit_layer))
+        exits, _ = self._shallow(params, prompt, positions, cache, zeros, mask)
         layer = kv.init_cache(self.config, b, kv.cache_len(cache), cache[0]["k"].dtype)[0]
         _, layer = adapter_hidden(draft, exits, layer, positions, zeros, mask, config=self.config)
         return {"exit": jnp.zeros((b, self.tree.num_nodes, exits.shape[-1]), exits.dtype), "adapter": layer,
@@ -117,9 +142,14 @@ class KangarooDrafter(ChainDrafter):
         # `block` learns its tokens' node indices from their slots: slot - length.
         return super().draft(params, draft, cache, length, last, {**state, "length": length}, key, sampling)
 
+    def _shallow(self, params, tokens, positions, cache, slots, mask):
+        """Layers 0..l-1 over new tokens: (exit states, cache with their K/V)."""
+        decoder, variables = Decoder(self.config, shallow_plan(self.config.num_layers, self.exit_layer)), {"params": params}
+        x = decoder.apply(variables, tokens, method="embed_tokens")
+        return decoder.apply(variables, x, positions, cache, slots, mask, method="run_layers")
+
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
-        x, cache = model.run_layers(params, model.embed(params, tokens), positions, cache, slot, mask,
-                                    config=self.config, plan=shallow_plan(self.config.num_layers, self.exit_layer))
+        x, cache = self._shallow(params, tokens, positions, cache, slot, mask)
         exits = kv.put_rows(state["exit"], x, slot - state["length"])
         # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
@@ -132,10 +162,10 @@ class KangarooDrafter(ChainDrafter):
         """Layers l..L-1 over the nodes' exit states; layers below l already hold their K/V. Nodes left
         undrafted carry stale exit states; they are invalid, so never accepted."""
         positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
-        hidden, cache = model.run_layers(params, state["exit"][:, :tree.num_nodes], positions, cache, length,
-                                         verify.tree_mask(length, tree), config=self.config,
-                                         plan=deep_plan(self.config.num_layers, self.exit_layer))
-        return model.logits(params, rms_norm(hidden, params["final_norm"], self.config.rms_norm_eps)), cache
+        decoder, variables = Decoder(self.config, deep_plan(self.config.num_layers, self.exit_layer)), {"params": params}
+        hidden, cache = decoder.apply(variables, state["exit"][:, :tree.num_nodes], positions, cache, length,
+                                      verify.tree_mask(length, tree), method="run_layers")
+        return decoder.apply(variables, hidden, method="exit_logits"), cache
 
     def update(self, state, length, accepted, path, emitted):
         # The adapter K/V of the committed nodes were written while drafting them: move them like the target's.
@@ -144,22 +174,24 @@ class KangarooDrafter(ChainDrafter):
 
 
 def check_adapter(adapter: dict, config: ModelConfig, path: str) -> dict:
-    want = {"attn_norm", "o", "out_norm"} | ({"qkv"} if config.arch == "phi3" else {"q", "k", "v"})
-    if not isinstance(adapter, dict) or set(adapter) != want:
-        raise UserError(f"{path} is not a Kangaroo adapter for a {config.arch} model (expected {sorted(want)})")
-    if adapter["attn_norm"].shape != (config.hidden_size,) or adapter["o"].shape[1] != config.hidden_size:
-        raise UserError(f"{path} was trained for hidden size {adapter['attn_norm'].shape[0]}, "
-                        f"not this model's {config.hidden_size}")
+    """The adapter nested as `Adapter` reads it, or a one-line error if it is not one for this model."""
+    want = {"o"} | ({"qkv"} if config.arch == "phi3" else {"q", "k", "v"})
+    adapter = nest_adapter(adapter) if isinstance(adapter, dict) else adapter
+    if not isinstance(adapter, dict) or set(adapter) != {"attn_norm", "attn", "out_norm"} or set(adapter["attn"]) != want:
+        raise UserError(f"{path} is not a Kangaroo adapter for a {config.arch} model (expected attn_norm, out_norm "
+                        f"and attention weights {sorted(want)})")
+    width = adapter["attn_norm"]["scale"].shape[0]
+    if width != config.hidden_size or adapter["attn"]["o"].shape[1] != config.hidden_size:
+        raise UserError(f"{path} was trained for hidden size {width}, not this model's {config.hidden_size}")
     return adapter
 
 
 def build_kangaroo(m, ar, opts, dtype: str):
     """`--method kangaroo`: the adapter from --draft (or the model's shipped one), its exit layer, eta."""
     from s3djax.loading import DTYPES
-    from s3djax.methods import Built, about_file
-    from s3djax.spec import tree as trees
-    from s3djax.spec.draft_params import load_artifact
-    from s3djax.spec.loop import SpecDecoder
+    from s3djax.speculative import tree as trees
+    from s3djax.speculative.draft_params import load_artifact
+    from s3djax.speculative.loop import SpecDecoder
 
     config, path, warnings = m.config, opts.draft_path, []
     if path is None:
@@ -179,7 +211,7 @@ def build_kangaroo(m, ar, opts, dtype: str):
             raise UserError(f"{path} was trained for exit layer {exit_layer}, not --exit-layer {opts.exit_layer}: "
                             "an adapter serves only its own exit layer")
         check_exit_layer(exit_layer, config.num_layers)
-        check_adapter(adapter, config, path)
+        adapter = check_adapter(adapter, config, path)
     adapter = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter)
     if not 0 <= opts.eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {opts.eta}")
