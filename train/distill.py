@@ -1,0 +1,140 @@
+"""Self-distillation data: the target's own greedy answers to ShareGPT prompts, as token shards.
+
+    python -m train.distill --out data/distill-smollm2 --prompts 3000 --new-tokens 160
+
+Each conversation's first user turn is rendered as at inference (chat template, system prompt
+included) and answered greedily by the project's batched AR decoder. The loss mask covers the answer
+only, so every depth's training target is exactly the token greedy verification will emit.
+Answers are written part by part: a rerun skips finished parts, and manifest.json (the format
+`train.shards.Shards` reads) is rewritten after each, so training can start on what exists.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from infer.cli import Parser, run
+from s3djax.errors import UserError
+from train.prepare_data import clean_turns, conversation_id, is_held_out, read_records, sharegpt_path, write_split
+from train.shards import FORMAT
+
+
+def first_prompts(records, limit: int) -> list[tuple[str, str]]:
+    """(conversation id, first user turn) of the first `limit` conversations that have one."""
+    out, dropped = [], collections.Counter()
+    for i, record in enumerate(records):
+        messages = clean_turns(record.get("conversations") if isinstance(record, dict) else None, dropped)
+        if messages and messages[0]["role"] == "user":
+            out.append((conversation_id(record, i), messages[0]["content"]))
+        if len(out) == limit:
+            break
+    return out
+
+
+def answer(runner, batch: list[list[int]], new_tokens: int, pad_id: int):
+    """Greedy answers [B, new_tokens] (pad after EOS) to right-padded prompts of one batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from s3djax.decode import bucket
+
+    d = runner.decoder
+    width = bucket(max(map(len, batch)), d.max_cache_len)
+    prompt = np.full((len(batch), width), pad_id, np.int32)
+    for r, ids in enumerate(batch):
+        prompt[r, :len(ids)] = ids
+    args = (jnp.asarray(prompt), jnp.asarray([len(ids) for ids in batch], jnp.int32), jax.random.key(0))
+    state = runner._compiled("start", d.start, *args)[0](runner.params, *args)
+    state = runner._compiled("decode", d.decode, state, jnp.int32(0))[0](runner.params, state, jnp.int32(new_tokens))
+    return np.asarray(state["tokens"])[:, :new_tokens]
+
+
+def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: int, batch_size: int,
+            part_rows: int, eval_fraction: float, dtype: str = "float32") -> dict:
+    from s3djax import tokenizer as tk
+    from s3djax.decode import ARDecoder, Runner
+    from s3djax.loading import load_model
+
+    for name, ok in (("--prompts", prompts >= 1), ("--new-tokens", new_tokens >= 1), ("--max-prompt", max_prompt >= 8),
+                     ("--batch-size", batch_size >= 1), ("--part-rows", part_rows >= batch_size)):
+        if not ok:
+            raise UserError(f"argument {name}: invalid value")
+    m = load_model(model, dtype=dtype, progress=False)
+    pad_id = m.tokenizer.pad_token_id if m.tokenizer.pad_token_id is not None else 0
+    items = []
+    for cid, text in first_prompts(read_records(sharegpt_path())[0], prompts):
+        ids = tk.encode_prompt(m.tokenizer, text, chat_template=True)
+        if len(ids) <= max_prompt:
+            items.append((cid, ids))
+    # Similar lengths share a batch, so padding wastes little; the order is fixed, so parts are stable.
+    items.sort(key=lambda item: len(item[1]))
+    max_len = max_prompt + new_tokens
+    decoder = ARDecoder(m.config, max_len, m.eos_ids, pad_id=pad_id)
+    runner = Runner(decoder, m.params)
+    os.makedirs(out, exist_ok=True)
+    rows = {"train": [], "eval": []}
+    t0, done = time.perf_counter(), 0
+    for part, start in enumerate(range(0, len(items), part_rows)):
+        path = os.path.join(out, f"part-{part:05d}.npz")
+        chunk = items[start:start + part_rows]
+        if not os.path.exists(path):
+            tokens = np.full((len(chunk), max_len), pad_id, np.int32)
+            masks = np.zeros((len(chunk), max_len), np.uint8)
+            lengths = np.zeros(len(chunk), np.int32)
+            for b in range(0, len(chunk), batch_size):
+                batch = chunk[b:b + batch_size]
+                answers = answer(runner, [ids for _, ids in batch], new_tokens, pad_id)
+                for r, ((_, ids), ans) in enumerate(zip(batch, answers), start=b):
+                    n = int(np.argmax(np.isin(ans, m.eos_ids))) + 1 if np.isin(ans, m.eos_ids).any() else new_tokens
+                    tokens[r, :len(ids)], tokens[r, len(ids):len(ids) + n] = ids, ans[:n]
+                    masks[r, len(ids):len(ids) + n] = 1
+                    lengths[r] = len(ids) + n
+            held = np.array([is_held_out(cid, eval_fraction) for cid, _ in chunk], bool)
+            np.savez(path, tokens=tokens, loss_mask=masks, lengths=lengths, held_out=held)
+        with np.load(path) as f:
+            for split, sel in (("train", ~f["held_out"]), ("eval", f["held_out"])):
+                rows[split].append((f["tokens"][sel], f["loss_mask"][sel], f["lengths"][sel]))
+        done += len(chunk)
+        manifest = write_manifest(out, rows, model=model, max_len=max_len, pad_id=pad_id, new_tokens=new_tokens,
+                                  max_prompt=max_prompt, prompts=len(items), eval_fraction=eval_fraction)
+        print(f"part {part}: {done}/{len(items)} prompts, {manifest['splits']['train']['loss_tokens']} answer tokens, "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return manifest
+
+
+def write_manifest(out: str, rows: dict, **meta) -> dict:
+    manifest = {"format": FORMAT, "kind": "self-distilled greedy answers", **meta, "splits": {}}
+    for split, parts in rows.items():
+        arrays = [np.concatenate(x) if x else np.zeros((0, meta["max_len"]), np.int32) for x in zip(*parts)] \
+            if parts else [np.zeros((0, meta["max_len"]), np.int32)] * 2 + [np.zeros(0, np.int32)]
+        manifest["splits"][split] = write_split(out, split, *arrays, shard_rows=1 << 20)
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+    return manifest
+
+
+def main(argv=None):
+    p = Parser(prog="python -m train.distill", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", required=True, help="output folder for parts, shards and manifest.json")
+    p.add_argument("--prompts", type=int, default=3000, help="ShareGPT conversations to answer")
+    p.add_argument("--new-tokens", type=int, default=160)
+    p.add_argument("--max-prompt", type=int, default=192, help="longer prompts are left out")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--part-rows", type=int, default=256, help="prompts per resumable part")
+    p.add_argument("--eval-fraction", type=float, default=0.02)
+    args = p.parse_args(argv)
+    m = distill(args.model, args.out, prompts=args.prompts, new_tokens=args.new_tokens, max_prompt=args.max_prompt,
+                batch_size=args.batch_size, part_rows=args.part_rows, eval_fraction=args.eval_fraction)
+    print(f"{m['prompts']} prompts answered: train {m['splits']['train']['rows']} rows / "
+          f"{m['splits']['train']['loss_tokens']} answer tokens, eval {m['splits']['eval']['rows']} rows -> {args.out}")
+
+
+if __name__ == "__main__":
+    run(main)
