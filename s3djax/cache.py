@@ -47,11 +47,20 @@ class PrefixTreeMask(NamedTuple):
 
     def dense(self, max_len: int):
         """[B, T, S] bool over the cache slots."""
+        return self.over(jnp.arange(max_len))
+
+    def over(self, slots):
+        """[B, T, N] bool over the given cache slots [N]."""
         b, t, w = self.tree.shape
-        rel = jnp.arange(max_len)[None, :] - self.lengths[:, None]                  # [B, S]
-        cols = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, max_len))
+        rel = slots[None, :] - self.lengths[:, None]                                 # [B, N]
+        cols = jnp.broadcast_to(jnp.clip(rel, 0, w - 1)[:, None, :], (b, t, slots.shape[0]))
         new = jnp.take_along_axis(self.tree, cols, axis=2) & ((rel >= 0) & (rel < w))[:, None, :]
         return (rel < 0)[:, None, :] | new
+
+    @property
+    def extent(self):
+        """Slots any row may read: every mask is False from here on."""
+        return jnp.max(self.lengths) + self.tree.shape[2]
 
 
 def causal(slots, num_new: int) -> PrefixTreeMask:

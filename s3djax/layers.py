@@ -63,30 +63,78 @@ def apply_rope(x, cos, sin):
     return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
 
 
+KEY_BLOCK = 128  # keys per step of the occupied-prefix loop
+
+
 def attend(q, k, v, mask, new=None, impl: str = "xla"):
-    """Grouped-query attention of new queries over the whole cache buffer.
+    """Grouped-query attention of new queries over the cache.
 
     q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] bool (True: may attend), or a
-    `PrefixTreeMask`, which `impl="pallas"` hands to the tree-attention kernel together with the
-    new tokens' own K/V `new` = (k, v) [B, T, K, D]. Returns [B, T, H*D].
+    `PrefixTreeMask` (every decode-time step), which reads only the occupied prefix: the Pallas
+    tree-attention kernel (`impl="pallas"`, given the new tokens' own K/V `new` = (k, v)
+    [B, T, K, D]) or XLA in key blocks up to the run-time length, so a step's cost does not grow
+    with the cache's size. Returns [B, T, H*D].
     A KV head's query group is folded into the rows of one matmul ([G*T, D] x [D, S]), which XLA
     runs faster than a batched matmul over a separate group axis.
     """
     b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    g = h // kv_heads
     if isinstance(mask, PrefixTreeMask):
         if impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2]:
             from pallas_kernels.tree_attention import tree_attention
 
             return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
+        if k.shape[1] > KEY_BLOCK:
+            out = _attend_prefix(_grouped(q, kv_heads) * (d ** -0.5), k, v, mask, g)
+            return _ungrouped(out, t)
         mask = mask.dense(k.shape[1])
-    kv_heads = k.shape[2]
-    g = h // kv_heads
-    q = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
-    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv_heads), k, preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(jnp.tile(mask, (1, g, 1))[:, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkqs,bskd->bkqd", probs, v)
-    return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
+    return _ungrouped(jnp.einsum("bkqs,bskd->bkqd", probs, v), t)
+
+
+def _grouped(q, kv_heads: int):
+    """[B, T, H, D] -> [B, K, G*T, D]: each KV head's query group as rows of one matmul."""
+    b, t, h, d = q.shape
+    return q.reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
+
+
+def _ungrouped(out, t: int):
+    b, kv_heads, gt, d = out.shape
+    return out.reshape(b, kv_heads, gt // t, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1)
+
+
+def _attend_prefix(q, k, v, mask: PrefixTreeMask, g: int):
+    """Online-softmax attention over key blocks up to `mask.extent`: a loop with a run-time trip count.
+
+    q: scaled [B, K, G*T, D]. A block past the buffer's end is read from S - KEY_BLOCK instead, with
+    the slots already seen masked. A block a row cannot see adds exp(MASKED - m) = 0, or, before the
+    row's first visible key, weight that key's arrival wipes out (its correction factor underflows to 0).
+    """
+    s = k.shape[1]
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = jnp.minimum(i * KEY_BLOCK, s - KEY_BLOCK)
+        slots = start + jnp.arange(KEY_BLOCK)
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, start, KEY_BLOCK, axis=1) for x in (k, v))
+        allowed = mask.over(slots) & (slots >= i * KEY_BLOCK)[None, None]                   # [B, T, blk]
+        scores = jnp.einsum("bkqd,bskd->bkqs", q, kb, preferred_element_type=jnp.float32)
+        scores = jnp.where(jnp.tile(allowed, (1, g, 1))[:, None], scores, MASKED)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("bkqs,bskd->bkqd", p.astype(v.dtype), vb,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l * scale + p.sum(-1), acc
+
+    init = (jnp.full(q.shape[:3], MASKED, jnp.float32), jnp.zeros(q.shape[:3], jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    blocks = (jnp.minimum(mask.extent, s) + KEY_BLOCK - 1) // KEY_BLOCK
+    _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
+    return (acc / l[..., None]).astype(v.dtype)
 
 
 class Attention(nn.Module):

@@ -70,6 +70,14 @@ def test_generation_stops_when_the_cache_is_full(tiny_params):
         Runner(ARDecoder(TINY, 20, eos_ids=()), tiny_params).generate(list(range(20)), 5)
 
 
+@pytest.mark.parametrize("cache", [200, 1000])
+def test_decoding_past_several_key_blocks_matches_naive_recomputation(tiny_params, cache):
+    # Caches over 128 slots attend over the occupied prefix in 128-key blocks (the last one clamped).
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, TINY.vocab_size, 150)]
+    got = Runner(ARDecoder(TINY, cache, eos_ids=()), tiny_params).generate(prompt, 40).tokens
+    assert got == naive_greedy(tiny_params, TINY, prompt, 40, width=256)
+
+
 def test_skip_plan_decodes_the_skipped_model(tiny_params):
     from s3djax.skip_plan import SkipPlan
 

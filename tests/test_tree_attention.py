@@ -107,3 +107,13 @@ def test_the_engine_is_lossless_with_pallas_attention(tree_name, gamma):
         outputs[impl, "s3d"] = Runner(spec, (params, draft)).generate(prompt, 30).tokens
     assert len(set(map(tuple, outputs.values()))) == 1, outputs
 
+
+@pytest.mark.parametrize("lengths", [[3, 140], [290, 250], [0, 128], [295, 1]])
+def test_xla_attention_over_the_occupied_prefix_equals_the_dense_mask(lengths):
+    # 300 slots: key blocks of 128, the last one read from slot 172 with the overlap masked.
+    from s3djax.cache import PrefixTreeMask
+    from s3djax.layers import attend
+
+    q, kc, vc, _, _, tree = inputs(2, 5, 6, 2, 16, 300, jnp.float32, seed=3)
+    mask = PrefixTreeMask(jnp.asarray(lengths, jnp.int32), tree)
+    np.testing.assert_allclose(attend(q, kc, vc, mask), attend(q, kc, vc, mask.dense(300)), atol=1e-6)
