@@ -50,6 +50,23 @@ def test_a_few_steps_reduce_the_held_out_loss_and_export_a_draft(data, tmp_path,
     assert os.path.getsize(tmp_path / "loss.png") > 1000
 
 
+def test_a_warm_start_begins_from_the_given_draft(data, tmp_path):
+    from s3djax.errors import UserError
+    from s3djax.speculative.draft_params import load_draft
+    from tiny import TINY
+    from train.s3d import S3DTask
+
+    m = tiny_model()
+    train(tiny_config(data, str(tmp_path / "first"), steps=3), loaded=m, progress=False)
+    first, _ = load_draft(str(tmp_path / "first" / "draft.npz"), TINY, np.float32)
+    cfg = tiny_config(data, str(tmp_path / "second"), init_from=str(tmp_path / "first" / "draft.npz"))
+    start = S3DTask.create(m, cfg, 64).init_trainable(m, cfg, jax.random.key(1))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(first)))
+    other = tiny_config(data, str(tmp_path / "third"), lora_rank=2, init_from=cfg.init_from)
+    with pytest.raises(UserError, match="not a lossless draft of this plan and LoRA rank"):
+        S3DTask.create(m, other, 64).init_trainable(m, other, jax.random.key(1))
+
+
 def test_the_train_step_compiles_once(data, tmp_path, compiles):
     seen, before = {}, compiles()
     train(tiny_config(data, str(tmp_path), steps=9, eval_every=100, save_every=100), loaded=tiny_model(),

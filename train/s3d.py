@@ -11,8 +11,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+import jax.numpy as jnp
+
 from infer.cli import run
 from s3djax.config import ModelConfig
+from s3djax.errors import UserError
 from s3djax.skip_plan import SkipPlan
 from train.config import TrainConfig
 from train import loop
@@ -39,7 +43,17 @@ class S3DTask:
         return cls(cfg, m.config, draft_plan(cfg, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
 
     def init_trainable(self, m, cfg: TrainConfig, key):
-        return init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key)
+        fresh = init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key)
+        if not cfg.init_from:
+            return fresh
+        from s3djax.speculative.draft_params import load_draft
+
+        start, _ = load_draft(cfg.init_from, m.config, jnp.float32)
+        start = {k: v for k, v in start.items() if k in fresh}
+        if jax.tree.structure(start) != jax.tree.structure(fresh) or \
+                jax.tree.map(jnp.shape, start) != jax.tree.map(jnp.shape, fresh):
+            raise UserError(f"init_from {cfg.init_from} is not a {cfg.mode} draft of this plan and LoRA rank")
+        return start
 
     def loss(self, trainable, frozen, batch, key):
         params, draft = assemble(trainable, frozen)
