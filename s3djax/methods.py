@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s3djax import registry
+import jax.numpy as jnp
+
+from s3djax import quant, registry
 from s3djax.built import Built, about_file, finetuned_target, target_from
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
@@ -97,9 +99,13 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
+    if meta.get("vocab"):  # draft over its own vocabulary: the head's rows for those tokens, taken once
+        ids = jnp.asarray(meta["vocab"], jnp.int32)
+        draft = {**draft, "vocab": ids, "head": quant.rows(params.get("lm_head", params["embed"]), ids)}
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, opts.gamma), opts.gamma)
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
-                 f"draft {about_file(path, meta)}, skip {plan.spec()}")
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}"
+                 + (f", vocabulary {len(meta['vocab'])}" if meta.get("vocab") else ""))
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -142,6 +142,13 @@ def take(table_, tokens):
     return (table_.values[tokens].astype(jnp.float32) * table_.scale[tokens][..., None]).astype(table_.dtype)
 
 
+def rows(table_, ids):
+    """Some rows of an embedding or head table [V, D], float or int8, as a table of their own."""
+    if not isinstance(table_, Int8Weight):
+        return table_[ids]
+    return dataclasses.replace(table_, values=table_.values[ids], scale=table_.scale[ids])
+
+
 def head(hidden, table_):
     """fp32 logits hidden [..., D] x table [V, D]^T (the tied or untied LM head)."""
     if not isinstance(table_, Int8Weight):

@@ -104,6 +104,14 @@ def test_s3d_samples_the_target_distribution(params, sampling, tree):
     assert chi_square_p(counts, exact_joint(params, sampling)) > SIGNIFICANCE
 
 
+def test_a_draft_vocabulary_samples_the_target_distribution(params):
+    # The draft proposes only from half the vocabulary: tokens outside it come from the residual.
+    decoder, plan = spec_decoder(T1, "tree-8")
+    ids = jnp.arange(0, SMALL.vocab_size, 2, dtype=jnp.int32)
+    draft = {**init_draft(params, SMALL, plan), "vocab": ids, "head": params["embed"][ids]}
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, T1)) > SIGNIFICANCE
+
+
 def test_autoregressive_drafting_samples_the_target_distribution(params):
     # Self-Spec's chain drafter with variable draft lengths (a low adaptive threshold) and a top-2 spine.
     plan = SkipPlan.parse("1-2", SMALL.num_layers)

@@ -40,6 +40,28 @@ def spec_runner(config, params, draft, plan, tree, gamma, eos=(), cache=CACHE):
     return Runner(decoder, (params, draft))
 
 
+def test_lossless_with_a_draft_vocabulary():
+    # A draft over a third of the vocabulary: some of the target's tokens can never be drafted.
+    params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
+    ids = jnp.arange(0, LLAMA.vocab_size, 3, dtype=jnp.int32)
+    draft = {**perturbed_draft(params, LLAMA, plan, 5), "vocab": ids, "head": params["lm_head"][ids]}
+    ar = ar_runner(LLAMA, params)
+    for tree_name in ("chain", "tree-8"):
+        spec = spec_runner(LLAMA, params, draft, plan, trees.resolve(tree_name, 4), 4)
+        for prompt in ([5], list(range(40, 55))):
+            assert spec.generate(prompt, 40).tokens == ar.generate(prompt, 40).tokens
+
+
+@pytest.mark.parametrize("cache", [300, 1000])
+def test_lossless_past_several_key_blocks(cache):
+    # Caches over 128 slots take the occupied-prefix attention loop; the prompt and output cross blocks.
+    params, plan = random_params(PHI3, 2), SkipPlan.parse("1-2", PHI3.num_layers)
+    draft = perturbed_draft(params, PHI3, plan, 7)
+    prompt = list(range(3, 80)) * 2
+    spec = spec_runner(PHI3, params, draft, plan, trees.resolve("tree-8", 4), 4, cache=cache)
+    assert spec.generate(prompt, 60).tokens == ar_runner(PHI3, params, cache=cache).generate(prompt, 60).tokens
+
+
 COMBOS = [  # (tree name, gamma, skip spec): every named tree, gamma 1/2/4/6, several plans
     ("chain", 1, "1-2"), ("chain", 2, "1"), ("chain", 4, "1-2"), ("chain", 6, "2.attn,1.mlp"),
     ("tree-8", 4, "1-2"), ("tree-16", 4, ""), ("tree-32", 6, "1"), ("tree-64", 4, "1-2"),
