@@ -209,11 +209,13 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     from train.s2d import store_thresholds, train_nested
 
     m = tiny_model()
-    cfg = tiny_config(data, str(tmp_path), exits="1,2", lora_rank=2, steps=2, eval_every=2, eval_batches=1,
+    cfg = tiny_config(data, str(tmp_path), exits="1,2", lora_rank=2, steps=12, eval_every=6, eval_batches=1,
                       batch_size=2, target="kl", anchor_fraction=0.25)
     result = train_nested(cfg, loaded=m, progress=False)
     evals = [r for r in result["records"] if r["split"] == "eval"]
-    assert len(evals[-1]["depth_acc"]) == 2 and evals[-1]["loss"] < evals[0]["loss"]
+    trains = [r["loss"] for r in result["records"] if r["split"] == "train"]
+    # Eight random rows teach nothing that carries to held-out rows: the training loss is what falls.
+    assert len(evals[-1]["depth_acc"]) == 2 and np.mean(trains[-3:]) < 0.95 * np.mean(trains[:3])
     store_thresholds(result["path"], {"float32": [0.7]})
     ar = ARDecoder(TINY, 64, eos_ids=())
     built = build_s2d(m, ar, Options(draft_path=result["path"], max_draft=3), "float32")

@@ -101,7 +101,8 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
             for split, sel in (("train", ~f["held_out"]), ("eval", f["held_out"])):
                 rows[split].append((f["tokens"][sel], f["loss_mask"][sel], f["lengths"][sel]))
         done += len(chunk)
-        manifest = write_manifest(out, rows, model=model, max_len=max_len, pad_id=pad_id, new_tokens=new_tokens,
+        manifest = write_manifest(out, rows, model=model, vocab_size=len(m.tokenizer), max_len=max_len, pad_id=pad_id,
+                                  new_tokens=new_tokens,
                                   max_prompt=max_prompt, prompts=len(items), eval_fraction=eval_fraction)
         print(f"part {part}: {done}/{len(items)} prompts, {manifest['splits']['train']['loss_tokens']} answer tokens, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

@@ -4,7 +4,9 @@
 
 The draft then scores only those rows of the shared LM head (SmolLM2's 49k-row head is a third of
 an S3D draft's weights). Verification keeps the full head, so output is unchanged; a token outside
-the vocabulary is simply never drafted. The ids and their coverage of the answer tokens go into the
+the vocabulary is simply never drafted. Tokens are ranked by their count in the answers of --data's
+train split; ties (a small corpus leaves most of the vocabulary at zero) are broken by the count in
+ShareGPT's own assistant turns. The ids and their coverage of --data's held-out answers go into the
 draft file's metadata.
 """
 
@@ -17,25 +19,37 @@ from s3djax.errors import UserError
 from train.shards import Shards
 
 
-def rank_tokens(data: str, vocab_size: int) -> np.ndarray:
-    """Token ids by how often they occur where the loss mask is on (the answers), most frequent first."""
-    shards = Shards(data, "train")
-    counts = np.bincount(shards.tokens[shards.loss_mask > 0], minlength=vocab_size)
-    return np.argsort(-counts, kind="stable"), counts
+def answer_counts(data: str, split: str, vocab_size: int) -> np.ndarray:
+    """How often each token occurs where the loss mask is on (the answers)."""
+    shards = Shards(data, split)
+    return np.bincount(shards.tokens[shards.loss_mask > 0], minlength=vocab_size)
 
 
-def draft_vocab(data: str, size: int, vocab_size: int, eos_ids=()) -> tuple[list[int], float]:
-    """(the `size` most frequent ids, EOS included, sorted; the share of answer tokens they cover)."""
-    if not 1 <= size <= vocab_size:
-        raise UserError(f"--size must be in 1..{vocab_size}, got {size}")
-    order, counts = rank_tokens(data, vocab_size)
+def sharegpt_counts(tokenizer, vocab_size: int, conversations: int) -> np.ndarray:
+    """Token counts over the assistant turns of the first ShareGPT conversations (the tie-breaker)."""
+    import collections
+
+    from train.prepare_data import clean_turns, read_records, sharegpt_path
+
+    texts = [m["content"] for r in read_records(sharegpt_path(), conversations)[0]
+             for m in clean_turns(r.get("conversations") if isinstance(r, dict) else None, collections.Counter())
+             if m["role"] == "assistant"]
+    ids = [i for enc in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in enc]
+    return np.bincount(np.asarray(ids, np.int64), minlength=vocab_size)[:vocab_size]
+
+
+def draft_vocab(counts: np.ndarray, size: int, tie_break=None, eos_ids=()) -> list[int]:
+    """The `size` most frequent ids by `counts` (then `tie_break`), EOS included, sorted."""
+    if not 1 <= size <= len(counts):
+        raise UserError(f"--size must be in 1..{len(counts)}, got {size}")
+    tie_break = np.zeros_like(counts) if tie_break is None else tie_break
+    order = np.lexsort((-tie_break, -counts))  # the last key sorts first
     chosen = set(int(i) for i in eos_ids)
     for i in order:
         if len(chosen) >= size:
             break
         chosen.add(int(i))
-    ids = sorted(chosen)
-    return ids, float(counts[ids].sum() / max(counts.sum(), 1))
+    return sorted(chosen)
 
 
 def main(argv=None):
@@ -46,13 +60,21 @@ def main(argv=None):
     p.add_argument("--size", type=int, default=8192)
     p.add_argument("--draft", required=True, help="the draft file to extend")
     p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=49152, help="the model's vocabulary size")
-    p.add_argument("--eos", default="2", help="EOS ids always kept, comma-separated")
+    p.add_argument("--model", default="smollm2-135m", help="its tokenizer and EOS ids")
+    p.add_argument("--sharegpt", type=int, default=3000, help="ShareGPT conversations whose counts break ties")
     args = p.parse_args(argv)
+    from s3djax.loading import load_tokenizer
+
     tree, meta = load_artifact(args.draft, np.float32)
-    ids, coverage = draft_vocab(args.data, args.size, args.vocab_size, [int(e) for e in args.eos.split(",") if e])
+    tokenizer = load_tokenizer(args.model)
+    vocab_size = len(tokenizer)
+    ids = draft_vocab(answer_counts(args.data, "train", vocab_size), args.size,
+                      sharegpt_counts(tokenizer, vocab_size, args.sharegpt), [tokenizer.eos_token_id])
+    held_out = answer_counts(args.data, "eval", vocab_size)
+    coverage = float(held_out[ids].sum() / max(held_out.sum(), 1))
     save_artifact(args.out, tree, {**meta, "vocab": ids, "vocab_coverage": round(coverage, 4), "vocab_data": args.data})
-    print(f"vocabulary of {len(ids)} tokens covers {coverage:.1%} of the answer tokens in {args.data} -> {args.out}")
+    print(f"vocabulary of {len(ids)} tokens covers {coverage:.1%} of the held-out answer tokens in {args.data} "
+          f"-> {args.out}")
 
 
 if __name__ == "__main__":

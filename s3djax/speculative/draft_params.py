@@ -43,13 +43,14 @@ def init_draft(params, config: ModelConfig, plan: SkipPlan, *, lora_rank: int = 
         lora = []
         for i, layer in enumerate(layers_of(params)):
             adapters = {}
-            for part, runs in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])):
-                for name, w in layer[part].items() if runs else ():
-                    if name in adapter_targets(config):
-                        key, sub = jax.random.split(key)
-                        d_in, d_out = w.shape
-                        adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
-                            w.dtype), "b": jnp.zeros((lora_rank, d_out), w.dtype)}
+            for name in adapter_targets(config):
+                part = "attn" if name in layer["attn"] else "mlp"
+                if plan.attn[i] if part == "attn" else plan.mlp[i]:
+                    key, sub = jax.random.split(key)
+                    w = layer[part][name]
+                    d_in, d_out = w.shape
+                    adapters[name] = {"a": (jax.random.normal(sub, (d_in, lora_rank)) / np.sqrt(d_in)).astype(
+                        w.dtype), "b": jnp.zeros((lora_rank, d_out), w.dtype)}
             lora.append(adapters)
         draft["lora"] = lora
     return draft
