@@ -67,6 +67,19 @@ def test_a_warm_start_begins_from_the_given_draft(data, tmp_path):
         S3DTask.create(m, other, 64).init_trainable(m, other, jax.random.key(1))
 
 
+def test_a_run_cut_short_exports_where_it_stopped_and_resumes_on_its_schedule(data, tmp_path):
+    from s3djax.speculative.draft_params import load_draft
+    from tiny import TINY
+
+    m = tiny_model()
+    cut = train(tiny_config(data, str(tmp_path), steps=6, stop_at=3), loaded=m, progress=False)
+    assert load_draft(cut["path"], TINY, np.float32)[1]["steps"] == 3
+    whole = train(tiny_config(data, str(tmp_path), steps=6), loaded=m, progress=False)  # the same run, to its end
+    ref = train(tiny_config(data, str(tmp_path / "ref"), steps=6), loaded=m, progress=False)
+    losses = lambda result: [(r["step"], r["loss"]) for r in result["records"] if r["split"] == "train"]
+    assert losses(whole) == losses(ref) and len(losses(ref)) == 6
+
+
 def test_the_train_step_compiles_once(data, tmp_path, compiles):
     seen, before = {}, compiles()
     train(tiny_config(data, str(tmp_path), steps=9, eval_every=100, save_every=100), loaded=tiny_model(),

@@ -32,7 +32,8 @@ class TrainConfig:
     exits: str = "4,6,8"             # s2d: the nested draft's exits, in layers (the last is its depth)
     batch_size: int = 8
     grad_accum: int = 1
-    steps: int = 1000                # optimizer steps
+    steps: int = 1000                # optimizer steps (the schedule's length)
+    stop_at: int = 0                 # stop and export at this step instead (0: at `steps`); the schedule is kept
     lr: float = 3e-5
     warmup_steps: int = 50
     schedule: str = "cosine"
@@ -102,4 +103,4 @@ class TrainConfig:
 
 
 # Settings a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data"}
+RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data", "stop_at"}

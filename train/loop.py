@@ -197,7 +197,8 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devic
         metrics.write(record)
         return record
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="training", unit="step", file=sys.stderr, disable=not progress)
+    last = min(cfg.steps, cfg.stop_at or cfg.steps)  # a run cut short keeps the schedule of `steps`
+    bar = tqdm(total=last, initial=min(start, last), desc="training", unit="step", file=sys.stderr, disable=not progress)
     say = bar.write if progress else (lambda line: None)
     if start:
         say(f"resumed from step {start} in {out}")
@@ -205,7 +206,7 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devic
         say(f"step 0: held-out accuracy by depth {evaluate(0)['depth_acc']}")
     window, tokens, tic = None, 0, time.perf_counter()
     try:
-        for step in range(start + 1, cfg.steps + 1):
+        for step in range(start + 1, last + 1):
             for _ in range(cfg.grad_accum):
                 micro = int(state["micro_step"])
                 rows = data.batch(cfg.seed, micro, cfg.batch_size)
@@ -217,17 +218,17 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devic
                 mngr.wait_until_finished()
                 raise UserError(f"loss became {loss} at step {step}; stopping without saving. The last checkpoint "
                                 f"(step {mngr.latest_step() or 'none'}) is intact: lower lr or use compute_dtype=float32")
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step % cfg.log_every == 0 or step == last:
                 s = summarize(jax.device_get(window))
                 rate = tokens / (time.perf_counter() - tic)
                 metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
                                "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
                 bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
                 window, tokens, tic = None, 0, time.perf_counter()
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step % cfg.eval_every == 0 or step == last:
                 e = evaluate(step)
                 say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            if step % cfg.save_every == 0 or step == last:
                 mngr.save(step, args=ocp.args.StandardSave(state))
             bar.update()
             if on_step:
@@ -237,8 +238,9 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devic
         mngr.wait_until_finished()
     # Exported on every finishing run, so rerunning a finished command re-exports its draft.
     evals = [r for r in metrics.records if r["split"] == "eval"]
-    final = evals[-1] if evals else evaluate(cfg.steps)
-    meta = {"model": m.name, "steps": cfg.steps, "trained_on": describe(), "held_out_depth_acc": final["depth_acc"],
+    done = min(int(state["micro_step"]) // cfg.grad_accum, last)
+    final = evals[-1] if evals and evals[-1]["step"] == done else evaluate(done)
+    meta = {"model": m.name, "steps": done, "trained_on": describe(), "held_out_depth_acc": final["depth_acc"],
             "config": cfg.to_dict()}
     mngr.close()
     # Multi-host FSDP arrays are not all addressable here: gather them (every process must take part).
