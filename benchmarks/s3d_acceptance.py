@@ -1,12 +1,13 @@
 """S3D acceptance on MT-Bench first turns with the engine: tau, alpha_k and speed against greedy AR,
 for the shipped (or given) draft and the untrained mask token, all in one process.
 
-    python -m benchmarks.s3d_acceptance [--draft FILE] [--prompts 16] [--max-new-tokens 96] [--tree chain]
+    python -m benchmarks.s3d_acceptance [--draft FILE ...] [--no-untrained] [--prompts 16] [--max-new-tokens 96] [--tree chain ...]
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 
 import numpy as np
 
@@ -16,7 +17,8 @@ from infer.cli import Parser, run
 
 def main():
     p = Parser(prog="python -m benchmarks.s3d_acceptance", description=__doc__.split("\n\n")[0])
-    p.add_argument("--draft", help="draft file (default: the model's shipped draft)")
+    p.add_argument("--draft", action="append", help="draft file (repeatable; default: the model's shipped draft)")
+    p.add_argument("--no-untrained", action="store_true", help="leave out the untrained mask token's runs")
     p.add_argument("--prompts", type=int, default=16, help="first N MT-Bench questions (first turns)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--cache-len", type=int, default=512)
@@ -42,7 +44,8 @@ def main():
     runs = {"ar": Runner(ar.decoder, ar.params)}
     drafts = {}
     for tree in args.tree or ["chain", "tree-16"]:
-        for label, path in (("trained", args.draft), ("untrained", "none")):
+        paths = {os.path.basename(p): p for p in args.draft} if args.draft else {"trained": None}
+        for label, path in {**paths, **({} if args.no_untrained else {"untrained": "none"})}.items():
             built = methods.build("s3d", m, tree=tree, draft_path=path, **build)
             drafts[label] = built.draft
             runs[f"s3d {label}, {tree}"] = Runner(built.decoder, built.params)

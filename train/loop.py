@@ -264,4 +264,5 @@ def main(module: str, doc: str, make_task, method: str, argv=None) -> None:
     args = p.parse_args(argv)
     cfg = TrainConfig.load(args.config, args.overrides)
     out = train(cfg, make_task)["path"]
-    print(f"trained {cfg.steps} steps; artifact -> {out} (python -m infer.generate --method {method} --draft {out})")
+    print(f"trained {min(cfg.steps, cfg.stop_at or cfg.steps)} steps; artifact -> {out} "
+          f"(python -m infer.generate --method {method} --draft {out})")
