@@ -39,7 +39,9 @@ def _forward_logits(params, config, tokens):
 @pytest.mark.parametrize("mode", ["int8", "int8-all"])
 @pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
 def test_the_forward_reads_int8_as_the_float_model_of_its_dequantized_weights(config, mode):
-    params = random_params(config, 3)
+    # init's own scale, not random_params's x8: the x8 model is chaotic and amplifies any rounding,
+    # so its logit change would measure the random draw rather than the quantizer.
+    params = model.init_params(config, jax.random.key(3))
     q = quant.apply(params, mode, jnp.float32)
     assert quant.mode_of(q) == mode
     dequantized = jax.tree.map(quant.dequantize, q, is_leaf=lambda x: isinstance(x, quant.Int8Weight))

@@ -21,8 +21,8 @@ def random_params(config: ModelConfig, seed: int) -> dict:
     return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
 
 
-def tiny_model() -> LoadedModel:
-    return LoadedModel("tiny", TINY, random_params(TINY, 0), None, 0.0)
+def tiny_model(seed: int = 0) -> LoadedModel:
+    return LoadedModel("tiny", TINY, random_params(TINY, seed), None, 0.0)
 
 
 def tiny_config(data: str, out: str, **overrides):
