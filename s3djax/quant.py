@@ -107,11 +107,20 @@ def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
             return linear(w, mode, dtype, kernel)
         return table(w, mode, dtype, kernel) if name in TABLES and len(path) == 1 else w
 
-    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Int8Weight))
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_int8)
+
+
+def is_int8(x) -> bool:
+    return isinstance(x, Int8Weight)
+
+
+def dequantize_tree(tree):
+    """Every int8 weight in `tree` as float, the rest as it is."""
+    return jax.tree.map(dequantize, tree, is_leaf=is_int8)
 
 
 def mode_of(params: dict) -> str:
-    if not any(isinstance(w, Int8Weight) for w in jax.tree.leaves(params["layers_0"], is_leaf=lambda x: isinstance(x, Int8Weight))):
+    if not any(is_int8(w) for w in jax.tree.leaves(params["layers_0"], is_leaf=is_int8)):
         return "none"
     return "int8-all" if isinstance(params["embed"], Int8Weight) else "int8"
 

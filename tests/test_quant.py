@@ -44,7 +44,7 @@ def test_the_forward_reads_int8_as_the_float_model_of_its_dequantized_weights(co
     params = model.init_params(config, jax.random.key(3))
     q = quant.apply(params, mode, jnp.float32)
     assert quant.mode_of(q) == mode
-    dequantized = jax.tree.map(quant.dequantize, q, is_leaf=lambda x: isinstance(x, quant.Int8Weight))
+    dequantized = quant.dequantize_tree(q)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
     got, want = _forward_logits(q, config, tokens), _forward_logits(dequantized, config, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -12,11 +12,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+from s3djax import cache as kv
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
 from s3djax.speculative.verify import verify
-
-ROOT_ONLY = TreeSpec(())  # verifying the root alone is exactly an AR step
 
 
 def ms_per_step(step, params, cache, repeats: int):
@@ -63,12 +62,16 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
             return c, emitted
         return step
 
+    def ar_step(params, c):  # `ar`'s own loop body: its one-token causal attention, not a one-node tree
+        hidden, c = decoder.ar._step(params[0], last[:, None], length[:, None], c, length, kv.causal(length, 1))
+        return c, jnp.argmax(decoder.ar._logits(params[0], hidden[:, 0]), axis=-1)
+
     def draft_step(params, c):
         nodes, _, _, c, _ = drafter.draft(*params, c, length, last, dstate, None, decoder.ar.sampling)
         return c, nodes
 
     out = {}
-    out["ar_step_ms"], cache = ms_per_step(verify_step(ROOT_ONLY), params, cache, repeats)
+    out["ar_step_ms"], cache = ms_per_step(ar_step, params, cache, repeats)
     out["draft_step_ms"], cache = ms_per_step(draft_step, params, cache, repeats)
     for name, tree in (trees or {"verify": drafter.tree}).items():
         key = "verify_step_ms" if name == "verify" else f"verify_{name}_ms"

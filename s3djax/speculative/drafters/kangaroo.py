@@ -83,12 +83,8 @@ def init_adapter(params, config: ModelConfig, exit_layer: int) -> dict:
     """The adapter's starting point: layer l's attention weights (the layer the draft replaces) and a unit
     output norm (the shared final norm brings its weight). Float even where the target is int8."""
     layer = params[layer_key(exit_layer)]
-    return {"attn_norm": layer["attn_norm"], "attn": jax.tree.map(quant.dequantize, layer["attn"], is_leaf=_is_weight),
+    return {"attn_norm": layer["attn_norm"], "attn": quant.dequantize_tree(layer["attn"]),
             "out_norm": {"scale": jnp.ones_like(params["final_norm"]["scale"])}}
-
-
-def _is_weight(x) -> bool:
-    return isinstance(x, quant.Int8Weight)
 
 
 def nest_adapter(adapter: dict) -> dict:
