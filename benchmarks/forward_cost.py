@@ -24,14 +24,12 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    import jax
     import jax.numpy as jnp
 
-    from s3djax import cache as kv
     from s3djax import device, methods
     from s3djax.decode import Runner
     from s3djax.loading import load_model
-    from s3djax.speculative.profile import ms_per_step, step_times
+    from s3djax.speculative.profile import forward_step, ms_per_step, step_times
 
     m = load_model("smollm2-135m", dtype=args.dtype)
     built = methods.build("s3d", m, max_cache_len=args.cache_len, dtype=args.dtype)
@@ -39,17 +37,10 @@ def main():
     state = Runner(built.decoder, built.params).prefill([(7 * i) % 1000 + 100 for i in range(args.context)])
     cache, length = state["cache"], state["length"]
 
-    def forward(t):
-        tokens = jnp.full((1, t), 100, jnp.int32)
-
-        def step(params, c):
-            hidden, c = ar._step(params, tokens, length[:, None] + jnp.arange(t)[None], c, length, kv.causal(length, t))
-            return c, jnp.argmax(ar._logits(params, hidden), axis=-1)
-        return step
-
     ms = {}
     for t in TOKENS:
-        ms[t], cache = ms_per_step(forward(t), params, cache, args.repeats)
+        step = forward_step(ar, jnp.full((1, t), 100, jnp.int32), length)
+        ms[t], cache = ms_per_step(step, params, cache, args.repeats)
     state["cache"] = cache
     draft_ms = step_times(built.decoder, built.params, state, repeats=args.repeats)["draft_step_ms"]
     gamma = built.decoder.drafter.gamma

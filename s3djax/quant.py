@@ -122,7 +122,7 @@ def dequantize_tree(tree):
 def mode_of(params: dict) -> str:
     if not any(is_int8(w) for w in jax.tree.leaves(params["layers_0"], is_leaf=is_int8)):
         return "none"
-    return "int8-all" if isinstance(params["embed"], Int8Weight) else "int8"
+    return "int8-all" if is_int8(params["embed"]) else "int8"
 
 
 def param_bytes(params) -> int:

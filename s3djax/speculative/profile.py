@@ -42,6 +42,17 @@ def ms_per_step(step, params, cache, repeats: int):
     return statistics.median(samples) * 1000, cache
 
 
+def forward_step(ar, tokens, length):
+    """`step(params, cache)`: `ar`'s forward over `tokens` [B, T] after `length` committed tokens (causal
+    attention, logits at all T); T = 1 is its decode loop's body."""
+    t = tokens.shape[1]
+
+    def step(params, c):
+        hidden, c = ar._step(params, tokens, length[:, None] + jnp.arange(t)[None], c, length, kv.causal(length, t))
+        return c, jnp.argmax(ar._logits(params, hidden), axis=-1)
+    return step
+
+
 def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec] | None = None,
                repeats: int = 10) -> dict[str, float]:
     """Milliseconds for the AR step, the draft step and the verify step (of each tree given, default the
@@ -62,9 +73,10 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
             return c, emitted
         return step
 
-    def ar_step(params, c):  # `ar`'s own loop body: its one-token causal attention, not a one-node tree
-        hidden, c = decoder.ar._step(params[0], last[:, None], length[:, None], c, length, kv.causal(length, 1))
-        return c, jnp.argmax(decoder.ar._logits(params[0], hidden[:, 0]), axis=-1)
+    ar_forward = forward_step(decoder.ar, last[:, None], length)  # `ar`'s own step, not a one-node tree
+
+    def ar_step(params, c):
+        return ar_forward(params[0], c)
 
     def draft_step(params, c):
         nodes, _, _, c, _ = drafter.draft(*params, c, length, last, dstate, None, decoder.ar.sampling)
