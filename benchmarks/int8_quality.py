@@ -11,7 +11,6 @@ int8 modes as the precision everyone already accepts.
 from __future__ import annotations
 
 import datetime
-import sys
 
 from benchmarks import report
 from infer.cli import Parser, run
@@ -28,7 +27,7 @@ def main():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from tqdm import tqdm
+    from s3djax.progress import bar
 
     from s3djax import device, model, quant
     from s3djax.bench_data import mt_bench
@@ -67,7 +66,7 @@ def main():
                 "bfloat16": jax.tree.map(lambda a: a.astype(jnp.bfloat16), m.params),
                 "int8": quant.apply(m.params, "int8", jnp.float32),
                 "int8-all": quant.apply(m.params, "int8-all", jnp.float32)}
-    results = {name: run_all(params) for name, params in tqdm(variants.items(), desc="scoring", file=sys.stderr)}
+    results = {name: run_all(params) for name, params in bar(variants.items(), desc="scoring")}
     mask = eval_rows["loss_mask"][:, 1:].astype(bool)  # position t predicts token t+1, scored where it is trained on
     base_prompts, base_rows, _ = results["float32 (original)"]
     fp32_bytes = quant.param_bytes(m.params)

@@ -28,7 +28,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
-    from tqdm import tqdm
+    from s3djax.progress import bar
 
     from s3djax import device, methods
     from s3djax.bench_data import mt_bench
@@ -52,7 +52,7 @@ def main():
     for runner in runs.values():  # compile outside the timed runs
         runner.generate(prompts[0], 8)
     results = {name: [] for name in runs}
-    for ids in tqdm(prompts, desc="MT-Bench prompts", unit="prompt"):
+    for ids in bar(prompts, desc="MT-Bench prompts", unit="prompt"):
         for name, runner in runs.items():
             results[name].append(runner.generate(ids, args.max_new_tokens))
     expected = [r.tokens for r in results["ar"]]

@@ -105,21 +105,28 @@ def kv_cache_bytes(config, args) -> int:
     return per_token * args.max_cache_len
 
 
+def method_options(args, name: str) -> dict:
+    """One of our methods' options and sampling; --skip is the drafts' plan here, never ar's."""
+    from s3djax import methods
+
+    opts = methods.options(args, name)
+    return dict(opts, skip=opts["skip"] if name != "ar" else "", temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p)
+
+
 class JaxMethod:
-    """One of our decoders, built once; a run is a timed Runner.generate."""
+    """One of our decoders, built once on the Generator's weights; a run is a timed Runner.generate."""
 
-    def __init__(self, name, m, args):
-        from s3djax import methods, quant
-        from s3djax.decode import Runner
+    def __init__(self, name, gen, args):
+        from s3djax import quant
 
-        opts = methods.options(args, name)
-        built = methods.build(name, m, max_cache_len=args.max_cache_len, dtype=args.dtype, sampling=sampling(args),
-                              **{**opts, "skip": opts["skip"] if name != "ar" else ""})
+        session = gen.session(name, **method_options(args, name))
         self.seed = args.seed
-        self.warnings, self.about = built.warnings, built.draft
-        self.runner = Runner(built.decoder, built.params)
-        self.depth = built.decoder.drafter.tree.depth if hasattr(built.decoder, "drafter") else 0
-        self.memory_bytes = quant.param_bytes(built.params) + kv_cache_bytes(m.config, args)
+        self.warnings, self.about = session.warnings, session.about
+        self.runner = session.runner
+        decoder = session.built.decoder
+        self.depth = decoder.drafter.tree.depth if hasattr(decoder, "drafter") else 0
+        self.memory_bytes = quant.param_bytes(session.built.params) + kv_cache_bytes(gen.config, args)
 
     def __call__(self, ids, n):
         r = self.runner.generate(ids, n, seed=self.seed)
@@ -142,13 +149,13 @@ class PeerMethod:
         return self.run_peer(ids, n)
 
 
-def build_methods(args, m, prompts_for_tuning, notes):
+def build_methods(args, gen, prompts_for_tuning, notes):
     from infer import peers
 
-    built, hf = {}, []  # one transformers model serves every peer
+    m, built, hf = gen.model, {}, []  # one transformers model serves every peer
     for name in args.methods:
         if name in METHODS:
-            built[name] = JaxMethod(name, m, args)
+            built[name] = JaxMethod(name, gen, args)
         elif name in peers.PEERS:
             why = peers.unavailable()
             if why:
@@ -171,10 +178,6 @@ def build_methods(args, m, prompts_for_tuning, notes):
                 notes.append(f"hf-early-exit: exit layer {exit_layer}, the fastest of {candidates} on "
                              f"{len(prompts_for_tuning)} prompts")
             built[name] = PeerMethod(name, model, m, args, exit_layer)
-        else:
-            from s3djax.errors import UserError
-
-            raise UserError(f"unknown method {name!r}; choose from {', '.join(METHODS + tuple(peers.PEERS))}")
     return built
 
 
@@ -189,36 +192,42 @@ def git_commit() -> str | None:
 def main(argv=None):
     args = parse_args(argv)
     import jax
-    from tqdm import tqdm
 
-    from s3djax import bench_data, device
-    from s3djax.loading import load_model
+    from infer import peers
+    from s3djax import bench_data, device, progress
+    from s3djax.errors import UserError
+    from s3djax.generator import Generator
 
-    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
-                   quantization=args.quant, matmul=args.matmul)
+    unknown = [name for name in args.methods if name not in METHODS + peers.PEERS]
+    if unknown:
+        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS + peers.PEERS)}")
+    gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, max_cache_len=args.max_cache_len,
+                    quant=args.quant, matmul=args.matmul, attention=args.attention, load=False)
+    for name in args.methods:  # every method's options, before the weights are read
+        if name in METHODS:
+            gen.check(method=name, **method_options(args, name))
     notes, sets = [], {}
     for name in args.dataset:
-        items = bench_data.prompts(name, m.tokenizer, args.limit, mt_bench_turns=args.mt_bench_turns)
+        items = bench_data.prompts(name, gen.tokenizer, args.limit, mt_bench_turns=args.mt_bench_turns)
         fits = [p for p in items if len(p["ids"]) + args.max_new_tokens <= args.max_cache_len]
         if len(fits) < len(items):
             notes.append(f"{name}: {len(items) - len(fits)} prompts skipped, longer than --max-cache-len "
                          f"{args.max_cache_len} less --max-new-tokens {args.max_new_tokens}")
         if not fits:
-            from s3djax.errors import UserError
-
             raise UserError(f"no {name} prompt fits --max-cache-len {args.max_cache_len} with "
                             f"--max-new-tokens {args.max_new_tokens}")
         sets[name] = fits
     first = next(iter(sets.values()))
+    m = gen.load()
     print(f"loaded {m.name} in {m.load_s:.1f} s; building {', '.join(args.methods)}...", file=sys.stderr, flush=True)
-    methods = build_methods(args, m, [p["ids"] for p in first[:2]], notes)
+    methods = build_methods(args, gen, [p["ids"] for p in first[:2]], notes)
     for method in methods.values():
         notes.extend(method.warnings)
     for name, method in methods.items():  # compile and warm up apart from the timed runs
         method(first[0]["ids"], 8)
     runs = {d: {name: [] for name in methods} for d in sets}
     names = list(methods)
-    with tqdm(total=sum(map(len, sets.values())) * len(names), desc="benchmark", unit="run", file=sys.stderr) as bar:
+    with progress.bar(total=sum(map(len, sets.values())) * len(names), desc="benchmark", unit="run") as bar:
         for d, items in sets.items():
             for i, p in enumerate(items):
                 for name in names[i % len(names):] + names[:i % len(names)]:

@@ -7,11 +7,22 @@ import os
 import sys
 import warnings
 
+from s3djax import progress
 from s3djax.errors import UserError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr and exit code 2, without the usage block."""
+    """argparse, but a bad flag is one line on stderr and exit code 2, without the usage block; and
+    every tool takes --progress."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--progress", action="store_true", help="draw progress bars even when stderr is not a terminal")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        progress.FORCE = parsed.progress
+        return parsed
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -44,15 +55,20 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--target-from", help="s2d: verify with this full-mode s3d draft's fine-tuned layers")
 
     def check(self, args, **valid):
-        """`--flag-name: invalid value` for each flag_name=False, sampling and method flags included when defined."""
-        if hasattr(args, "temperature"):
-            valid = dict(temperature=args.temperature >= 0, top_k=args.top_k >= 0, top_p=0 < args.top_p <= 1, **valid)
-        if hasattr(args, "eta"):  # the method options
-            valid = dict(max_draft=args.max_draft is None or args.max_draft >= 1, eta=0 <= args.eta <= 1,
-                         gamma=args.gamma >= 1, **valid)
+        """`--flag-name: invalid value` for each flag_name=False. Sampling and method options are the
+        library's to check (`Sampling`, `methods.check`), so the Python API gives the same errors."""
         for name, ok in valid.items():
             if not ok:
                 self.error(f"argument --{name.replace('_', '-')}: invalid value {getattr(args, name)}")
+
+
+def output_folder(path: str, flag: str = "--out") -> str:
+    """Create the output folder now, before any weight is read, so an unwritable one fails at once."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {flag} {path}: {e.strerror}") from None
+    return path
 
 
 def sampling(args):

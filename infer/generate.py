@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from infer.cli import Parser, run, sampling
+from infer.cli import Parser, run
 from s3djax.methods import METHODS
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -62,70 +62,52 @@ def read_prompt(args) -> str:
     return DEFAULT_PROMPT
 
 
-class TextStream:
-    """Prints the new suffix of the decoded text, holding back an incomplete UTF-8 character."""
-
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.printed = tokenizer, out, 0
-
-    def __call__(self, tokens):
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed:])
-        self.out.flush()
-        self.printed = len(text)
-
-
 def main(argv=None):
     args = parse_args(argv)
     prompt = read_prompt(args)
-    from s3djax import device, methods, quant
-    from s3djax.decode import Runner
-    from s3djax.loading import load_model
-    from s3djax.tokenizer import encode_prompt
+    from s3djax import methods
+    from s3djax.generator import Generator
 
-    m = load_model(args.model, dtype=args.dtype, checkpoint=args.checkpoint, attention=args.attention,
-                   quantization=args.quant, matmul=args.matmul)
-    built = methods.build(args.method, m, max_cache_len=args.max_cache_len, dtype=args.dtype,
-                          sampling=sampling(args), **methods.options(args, args.method))
-    for warning in built.warnings:
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
+                    max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
+                    load=False, **methods.options(args, args.method))
+    ids = gen.check(prompt, chat_template=not args.no_chat_template, **sampling)
+    session = gen.session(**sampling)
+    for warning in session.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    tok = m.tokenizer
-    ids = encode_prompt(tok, prompt, chat_template=not args.no_chat_template)
-    built.decoder.check_prompt(len(ids))
-    print(f"loaded {m.name} in {m.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
-    stream = None if args.json else TextStream(tok)
-    runner = Runner(built.decoder, built.params)
-    result = runner.generate(ids, args.max_new_tokens, seed=args.seed, on_tokens=stream)
-    text = tok.decode(result.tokens, skip_special_tokens=True)
-    if stream:
+    print(f"loaded {gen.model.name} in {gen.model.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
+    options = dict(seed=args.seed, chat_template=not args.no_chat_template, **sampling)
+    if args.json:
+        out = gen.generate(prompt, args.max_new_tokens, **options)
+    else:
+        stream = gen.stream(prompt, args.max_new_tokens, **options)
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
         print(flush=True)
-    dev, param_bytes = device.describe(), quant.param_bytes(built.params)
-    peak = device.memory_bytes("peak_bytes_in_use")
-    memory = f"params {param_bytes / 2**20:.0f} MiB ({m.quant})" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
-    print(f"[{args.method}] prompt {result.prompt_tokens} tokens, {len(result.tokens)} new tokens, "
-          f"{result.tokens_per_s:.1f} tokens/s decode, time to first token {result.ttft_s * 1000:.0f} ms, "
-          f"compile {result.compile_s:.1f} s (apart); {memory}; on {dev}", file=sys.stderr)
-    if result.stats:
-        st = result.stats
-        print(f"[{args.method}] tau {st['mean_accepted_tokens']:.2f} tokens per verify step (bonus included), "
-              f"acceptance by depth {' '.join(f'{a:.2f}' for a in st['acceptance_by_depth'])}, "
-              f"{st['verify_steps']} verify steps, {st['mean_drafted']:.2f} drafted per step; {built.draft}",
-              file=sys.stderr)
-    if args.profile and result.stats:
+        out = stream.output
+    memory = f"params {out.param_bytes / 2**20:.0f} MiB ({out.quant})" + (
+        f", peak {out.peak_device_bytes / 2**20:.0f} MiB" if out.peak_device_bytes else "")
+    print(f"[{args.method}] prompt {out.prompt_tokens} tokens, {len(out.token_ids)} new tokens, "
+          f"{out.tokens_per_s:.1f} tokens/s decode, time to first token {out.ttft_s * 1000:.0f} ms, "
+          f"compile {out.compile_s:.1f} s (apart); {memory}; on {out.device}", file=sys.stderr)
+    if out.stats:
+        print(f"[{args.method}] tau {out.tau:.2f} tokens per verify step (bonus included), "
+              f"acceptance by depth {' '.join(f'{a:.2f}' for a in out.acceptance_by_depth)}, "
+              f"{out.stats['verify_steps']} verify steps, {out.stats['mean_drafted']:.2f} drafted per step; "
+              f"{session.about}", file=sys.stderr)
+    if args.profile and out.stats:
         from s3djax.speculative.profile import step_times
 
-        state = runner.prefill(ids)  # reuses the compiled prefill
-        result.stats.update({k: round(v, 2) for k, v in step_times(built.decoder, built.params, state).items()})
+        state = session.runner.prefill(ids)  # reuses the compiled prefill
+        out.stats.update({k: round(v, 2) for k, v in step_times(session.built.decoder, session.built.params,
+                                                                  state).items()})
         print(f"[{args.method}] step times at the prompt's length: " + ", ".join(
-            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f} ms" for k, v in result.stats.items()
+            f"{k.removesuffix('_ms').replace('_', ' ')} {v:.1f} ms" for k, v in out.stats.items()
             if k.endswith("_ms")), file=sys.stderr)
     if args.json:
-        print(json.dumps(dict(text=text, prompt_tokens=result.prompt_tokens, new_tokens=len(result.tokens),
-                              tokens_per_s=round(result.tokens_per_s, 3), ttft_s=round(result.ttft_s, 4),
-                              compile_s=round(result.compile_s, 3), device=dev, method=args.method,
-                              quant=m.quant, param_bytes=param_bytes, peak_device_bytes=peak, **result.stats)))
+        print(json.dumps(out.json()))
 
 
 if __name__ == "__main__":

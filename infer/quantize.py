@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from infer.cli import Parser, run
+from infer.cli import Parser, output_folder, run
 
 
 def main(argv=None):
@@ -23,9 +23,11 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from s3djax import quant, weights
-    from s3djax.loading import load_model
+    from s3djax.loading import open_model
 
-    m = load_model(args.model, checkpoint=args.checkpoint, quantization=args.quant)
+    source = open_model(args.model, args.checkpoint)
+    output_folder(args.out)
+    m = source.load(quantization=args.quant)
     weights.save_hf_folder(args.out, m.config, m.params, m.tokenizer)
     print(f"wrote {args.out}: {m.name}, {args.quant}, {quant.param_bytes(m.params) / 2**20:.0f} MiB of parameters",
           file=sys.stderr)

@@ -193,12 +193,12 @@ def fitting(prompts: list[dict], max_cache_len: int, max_new_tokens: int) -> lis
     return [p for p in prompts if len(p["ids"]) + max_new_tokens <= max_cache_len]
 
 
-def measure_sets(loaded, prompt_sets: dict[str, list[dict]], *, method: str = "s3d", gamma: int = 4,
+def measure_sets(gen, prompt_sets: dict[str, list[dict]], *, method: str = "s3d", gamma: int = 4,
                  tree: str = "chain", skip: SkipPlan | str | None = None, draft_path: str | None = None,
-                 max_new_tokens: int = 64, max_cache_len: int = 512, step_times: bool = False,
-                 step_repeats: int = 3, label: str = "") -> dict[str, Measurement]:
-    """Decode every prompt of every set greedily with one decoder (compiled once), and pool alpha_k and
-    tau over each set's verify steps.
+                 max_new_tokens: int = 64, step_times: bool = False, step_repeats: int = 3,
+                 label: str = "") -> dict[str, Measurement]:
+    """Decode every prompt of every set greedily with one decoder (compiled once) of the
+    `s3djax.Generator` `gen`, and pool alpha_k and tau over each set's verify steps.
 
     `draft_path`: None takes the model's shipped draft, "none" the untrained mask token; a trained
     draft's adapters exist only on the layers its plan keeps, so another skip plan needs "none".
@@ -206,30 +206,26 @@ def measure_sets(loaded, prompt_sets: dict[str, list[dict]], *, method: str = "s
     same numbers go with every set). Compile time is excluded from tokens/s: the Runner compiles
     ahead of time.
     """
-    from s3djax import methods
-    from s3djax.decode import Runner
-
     spec = skip.spec() if isinstance(skip, SkipPlan) else (skip or "")
-    built = methods.build(method, loaded, max_cache_len=max_cache_len, gamma=gamma, tree=tree, skip=spec,
-                          draft_path=draft_path)
-    runner = Runner(built.decoder, built.params)
+    session = gen.session(method, gamma=gamma, tree=tree, skip=spec, draft_path=draft_path)
+    built, runner = session.built, session.runner
     step_ms = None
     if step_times and method != "ar":
         from s3djax.speculative.profile import step_times as profile
 
         first = next(iter(prompt_sets.values()))[0]["ids"]
         step_ms = profile(built.decoder, built.params, runner.prefill(first), repeats=step_repeats)
-    return {name: _pooled(loaded, built, [runner.generate(p["ids"], max_new_tokens) for p in prompts],
+    return {name: _pooled(gen.config, built, [runner.generate(p["ids"], max_new_tokens) for p in prompts],
                           method=method, gamma=gamma, tree=tree, label=label, step_ms=step_ms)
             for name, prompts in prompt_sets.items()}
 
 
-def measure(loaded, prompts: list[dict], **kwargs) -> Measurement:
+def measure(gen, prompts: list[dict], **kwargs) -> Measurement:
     """`measure_sets` for one prompt set."""
-    return measure_sets(loaded, {"": prompts}, **kwargs)[""]
+    return measure_sets(gen, {"": prompts}, **kwargs)[""]
 
 
-def _pooled(loaded, built, results, *, method, gamma, tree, label, step_ms) -> Measurement:
+def _pooled(config, built, results, *, method, gamma, tree, label, step_ms) -> Measurement:
     from s3djax.speculative.loop import acceptance
 
     tokens, decode_s = sum(len(r.tokens) - 1 for r in results), sum(r.decode_s for r in results)
@@ -239,5 +235,5 @@ def _pooled(loaded, built, results, *, method, gamma, tree, label, step_ms) -> M
     drafter = built.decoder.drafter
     pooled = acceptance(np.concatenate([r.stats["accepted_per_step"] for r in results]), drafter.tree.depth)
     return Measurement(label or f"{tree}, skip {drafter.plan.spec()}", "s3d", drafter.plan.spec(),
-                       beta(drafter.plan, loaded.config), gamma, tree, built.draft, pooled["acceptance_by_depth"],
+                       beta(drafter.plan, config), gamma, tree, built.draft, pooled["acceptance_by_depth"],
                        pooled["mean_accepted_tokens"], pooled["verify_steps"], tokens, decode_s, len(results), step_ms)

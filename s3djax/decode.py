@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +140,18 @@ class Runner:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16) -> Result:
         """Generate for one prompt; `on_tokens(all_new_tokens_so_far)` is called after each chunk."""
+        steps = self.iterate(prompt_ids, max_new_tokens, seed, chunk if on_tokens else None)
+        while True:
+            try:
+                tokens = next(steps)
+            except StopIteration as finished:
+                return finished.value
+            on_tokens(tokens)
+
+    def iterate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
+                chunk: int | None = 16) -> Iterator[list[int]]:
+        """Yields all new tokens so far after the first and after each `chunk` decode steps, and returns
+        the Result; chunk None decodes in one call and yields nothing (no host sync between steps)."""
         d = self.decoder
         n = len(prompt_ids)
         max_new_tokens = min(max_new_tokens, d.max_cache_len - n)
@@ -149,21 +161,21 @@ class Runner:
         state = start(self.params, *args)
         first = np.asarray(state["tokens"])[0, :1].tolist()
         ttft = time.perf_counter() - t
-        if on_tokens:
-            on_tokens(first)
+        if chunk:
+            yield first
         stop = jnp.int32(0)
         decode, c = self._compiled("decode", d.decode, state, stop)
         compile_s += c
         t = time.perf_counter()
         step, done = 1, bool(np.asarray(state["done"]).all())
         while step < max_new_tokens and not done:
-            stop_at = min(max_new_tokens, step + chunk) if on_tokens else max_new_tokens
+            stop_at = min(max_new_tokens, step + chunk) if chunk else max_new_tokens
             state = decode(self.params, state, jnp.int32(stop_at))
             new_step = int(state["step"])
             done = bool(np.asarray(state["done"]).all()) or new_step == step
             step = new_step
-            if on_tokens:
-                on_tokens(np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist())
+            if chunk:
+                yield np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist()
         decode_s = time.perf_counter() - t
         # A speculative step may emit past the budget; the extra tokens are dropped.
         tokens = np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist()

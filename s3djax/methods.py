@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 
 from s3djax import quant, registry
 from s3djax.built import Built, about_file, finetuned_target, target_from
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
-from s3djax.loading import LoadedModel
+from s3djax.loading import DTYPES, LoadedModel, ModelSource
+from s3djax.model import abstract_params
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 
@@ -61,13 +63,41 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     builders = {"ar": _ar, "s3d": _s3d, "self-spec": _self_spec, "kangaroo": _kangaroo, "s2d": _s2d}
     if method not in builders:
         raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    unknown = set(options) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise UserError(f"unknown method options {sorted(unknown)}; choose from "
+                        f"{', '.join(f.name for f in dataclasses.fields(Options))}")
     opts = Options(**options)
+    if opts.max_draft is not None and opts.max_draft < 1:
+        raise UserError(f"--max-draft must be at least 1, got {opts.max_draft}")
     ar = ARDecoder(m.config, max_cache_len, eos_ids=m.eos_ids, pad_id=m.tokenizer.pad_token_id or 0,
                    sampling=sampling, cache_dtype=dtype)
     if opts.draft_path is None and method != "ar":
         entry = registry.entries().get(m.name)
         opts = dataclasses.replace(opts, draft_path=entry.draft_path(method) if entry else None)
     return builders[method](m, ar, opts, dtype)
+
+
+def check(method: str, source: ModelSource, *, max_cache_len: int, sampling: Sampling = Sampling(),
+          dtype: str = "float32", quantization: str | None = None, matmul: str = "xla", **options) -> Built:
+    """`build` on the model's shapes alone, before any weight is read, so bad options fail at once.
+
+    The builder runs as it will on the loaded weights, but traced over abstract ones: every error the
+    real build raises is raised here, from the same code. The returned decoder is the real one (it holds
+    no weights; it checks prompts); the params are not.
+    """
+    quant.check_mode(quantization or "none", matmul)
+    model = LoadedModel(source.label, source.config, None, source.tokenizer, 0.0, matmul)
+    built = []
+
+    def dry(params):
+        if quantization not in (None, "none"):
+            params = quant.apply(params, quantization, DTYPES[dtype], matmul)
+        built.append(build(method, dataclasses.replace(model, params=params), max_cache_len=max_cache_len,
+                           sampling=sampling, dtype=dtype, **options))
+
+    jax.eval_shape(dry, abstract_params(source.config, DTYPES[dtype]))
+    return dataclasses.replace(built[0], params=None)
 
 
 def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
@@ -77,7 +107,6 @@ def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.loading import DTYPES
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
     from s3djax.speculative.drafters.s3d import S3DDrafter

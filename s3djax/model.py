@@ -13,6 +13,8 @@ Params (Flax's own tree): {"embed": [V, D], "layers_0" .. "layers_{L-1}": a `lay
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -87,6 +89,7 @@ def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:
     return init(key)
 
 
+@functools.lru_cache(maxsize=8)
 def abstract_params(config: ModelConfig, dtype=jnp.float32) -> dict:
     """The params tree as `jax.ShapeDtypeStruct`s: shapes of any size at no memory cost."""
     return jax.eval_shape(lambda k: init_params(config, k, dtype), jax.random.key(0))

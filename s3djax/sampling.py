@@ -14,6 +14,15 @@ class Sampling:
     top_k: int = 0            # 0: off
     top_p: float = 1.0        # 1: off
 
+    def __post_init__(self):
+        from s3djax.errors import UserError
+
+        for name, ok in (("temperature", self.temperature >= 0), ("top-k", self.top_k >= 0),
+                         ("top-p", 0 < self.top_p <= 1)):
+            if not ok:
+                raise UserError(f"--{name} must be {'in (0, 1]' if name == 'top-p' else '>= 0'}, "
+                                f"got {getattr(self, name.replace('-', '_'))}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

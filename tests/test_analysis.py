@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from s3djax import analysis as an
+from s3djax.generator import Generator
 from s3djax.skip_plan import SkipPlan
 from tiny import TINY, random_params
 
@@ -88,11 +89,12 @@ def test_measure_pools_acceptance_and_times_steps(tiny_loaded):
     prompts = [{"ids": [1, 2, 3, 4, 5]}, {"ids": [7, 8, 9]}, {"ids": list(range(10, 130))}]
     prompts = an.fitting(prompts, max_cache_len=64, max_new_tokens=12)
     assert len(prompts) == 2
-    m = an.measure(tiny_loaded, prompts, gamma=3, skip="1-2", draft_path="none", max_new_tokens=12,
-                   max_cache_len=64, step_times=True, step_repeats=1)
+    gen = Generator.from_model(tiny_loaded, max_cache_len=64)
+    m = an.measure(gen, prompts, gamma=3, skip="1-2", draft_path="none", max_new_tokens=12, step_times=True,
+                   step_repeats=1)
     assert (m.skip, m.gamma, len(m.alpha), m.prompts, m.beta) == ("1-2", 3, 3, 2, 0.5)
     assert 1.0 <= m.tau <= 4.0 and m.verify_steps >= 2 * 11 / 4 and m.tokens == 22
     assert set(m.step_ms) == {"ar_step_ms", "draft_step_ms", "verify_step_ms"}
     assert m.row()["alpha_1"] == m.alpha[0]
-    ar = an.measure(tiny_loaded, prompts, method="ar", max_new_tokens=12, max_cache_len=64)
+    ar = an.measure(gen, prompts, method="ar", max_new_tokens=12)
     assert (ar.tau, ar.tokens, ar.alpha) == (1.0, 22, []) and ar.tokens_per_s > 0

@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,8 +23,10 @@ def test_json_output_on_the_real_model():
     assert out["tokens_per_s"] > 0 and out["compile_s"] > 0 and out["device"].startswith("CPU")
     assert out["quant"] == "none" and 500 * 2**20 < out["param_bytes"] < 560 * 2**20  # 135M fp32
     assert out["peak_device_bytes"] is None  # the CPU backend keeps no memory statistics
-    stats = [line for line in r.stderr.splitlines() if line.startswith("[ar]")]
-    assert stats and "tokens/s decode" in stats[0] and "time to first token" in stats[0] and "compile" in stats[0]
+    # stderr is not a terminal here, so it holds the summary lines alone: no progress bar frames.
+    lines = r.stderr.splitlines()
+    assert "\r" not in r.stderr and len(lines) == 2 and lines[0].startswith("loaded smollm2-135m in "), r.stderr
+    assert lines[1].startswith("[ar]") and all(s in lines[1] for s in ("tokens/s decode", "time to first token", "compile"))
 
 
 def test_streams_text_from_stdin_prompt():
@@ -36,50 +36,10 @@ def test_streams_text_from_stdin_prompt():
     assert "Paris" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt-9"], "unknown model 'gpt-9'"),
-    (["--model", "/no/such/model.gguf"], "no such file or folder"),
-    (["--model", "llama-2-7b"], "pass --checkpoint DIR"),
-    (["--method", "beam"], "invalid choice: 'beam'"),
-    (["--max-new-tokens", "0"], "--max-new-tokens: invalid value 0"),
-    (["--dtype", "float8"], "invalid choice: 'float8'"),
-    (["--quant", "int4"], "invalid choice: 'int4'"),
-    (["--prompt-file", "/no/such/prompt.txt"], "cannot read --prompt-file"),
-    (["--bogus-flag"], "unrecognized arguments"),
-    (["--prompt-file", "/etc/hostname", "--prompt", "x"], "not allowed with argument"),
-    (["--skip", "0-29"], "nothing is left to run"),
-    (["--skip", "28-31"], "outside 0-29"),
-    (["--max-cache-len", "8"], "raise --max-cache-len"),
-])
-def test_bad_input_is_one_line_and_exit_code_2(args, message):
-    prompt = [] if "--prompt-file" in args else ["--prompt", "hello there, how are you today?"]
-    r = generate(*prompt, *args)
-    assert r.returncode == 2
-    progress = ("loading ", "loaded ")
-    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith(progress)]
-    assert len(lines) == 1 and message in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
-
-
-def test_s3d_prints_the_same_text_as_ar_and_reports_acceptance():
-    common = ["--prompt", "Name three primary colors.", "--max-new-tokens", "24", "--max-cache-len", "128", "--json"]
-    ar, s3d = generate("--method", "ar", *common), generate("--method", "s3d", "--tree", "tree-8", "--draft", "none", *common)
-    assert ar.returncode == 0 and s3d.returncode == 0, s3d.stderr
-    ar_out, s3d_out = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (ar, s3d))
-    assert s3d_out["text"] == ar_out["text"] and s3d_out["method"] == "s3d"
-    assert s3d_out["verify_steps"] >= 1 and len(s3d_out["acceptance_by_depth"]) == 4
-    assert 1.0 <= s3d_out["mean_accepted_tokens"] <= 5.0
-    assert "warning: no trained draft" in s3d.stderr
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--method", "s3d", "--tree", "bush"], "unknown tree 'bush'"),
-    (["--method", "s3d", "--tree", "tree-16", "--gamma", "2"], "raise --gamma to 4"),
-    (["--method", "s3d", "--gamma", "0"], "argument --gamma: invalid value 0"),
-    (["--method", "s3d", "--draft", "/no/such/draft.npz"], "no such draft file"),
-])
-def test_s3d_bad_input_is_one_line_and_exit_code_2(args, message):
-    r = generate("--prompt", "hello", *args)
-    assert r.returncode == 2
-    lines = [line for line in r.stderr.splitlines() if line.strip() and not line.startswith(("loading ", "warning:"))]
-    assert len(lines) == 1 and message in lines[0], r.stderr
+def test_bad_input_in_a_real_process_is_exactly_one_line_and_exit_code_2():
+    # tests/test_bad_input.py runs every bad input in-process, with the loader forbidden; this is the
+    # whole process, stderr captured as a log would: no bar frame, no warning, no traceback.
+    r = generate("--prompt", "hello", "--method", "s3d", "--tree", "no-such-tree")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: unknown tree 'no-such-tree'; known trees: chain, topK (top2, top3, ...), tree-16, tree-32, tree-64, "
+        "tree-8"], r.stderr

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from infer.cli import Parser, run
+from infer.cli import Parser, output_folder, run
 from s3djax.errors import UserError
 from train.prepare_data import clean_turns, conversation_id, is_held_out, read_records, sharegpt_path, write_split
 from train.shards import FORMAT
@@ -131,6 +131,7 @@ def main(argv=None):
     p.add_argument("--part-rows", type=int, default=256, help="prompts per resumable part")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     args = p.parse_args(argv)
+    output_folder(args.out)
     m = distill(args.model, args.out, prompts=args.prompts, new_tokens=args.new_tokens, max_prompt=args.max_prompt,
                 batch_size=args.batch_size, part_rows=args.part_rows, eval_fraction=args.eval_fraction)
     print(f"{m['prompts']} prompts answered: train {m['splits']['train']['rows']} rows / "

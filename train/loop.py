@@ -143,27 +143,29 @@ def plot(records: list[dict], path: str) -> bool:
     return True
 
 
-def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devices=None, on_step=None) -> dict:
+def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None, devices=None, on_step=None) -> dict:
     """Run (or resume) training to cfg.steps and export the artifact; returns {"records", "trainable", "path"}.
 
     `make_task(m, cfg, max_len)` builds the task for the loaded model and the data's row length;
     `loaded` injects a LoadedModel instead of loading cfg.model; `devices` restricts the mesh;
-    `on_step(step)` is called after each optimizer step and its checkpoint.
+    `on_step(step)` is called after each optimizer step and its checkpoint; `progress`: None draws the
+    bar on a terminal only and still prints the held-out lines, False prints nothing.
     """
     import orbax.checkpoint as ocp
-    from tqdm import tqdm
-
+    from s3djax import progress as progress_bar
     from s3djax.device import describe
-    from s3djax.loading import load_model
+    from s3djax.loading import open_model
 
     sharding.maybe_initialize_distributed()
     out = os.path.abspath(cfg.out)
     check_resumable(cfg, out)
     data, held_out = Shards(cfg.data, "train"), Shards(cfg.data, "eval")
-    m = loaded or load_model(cfg.model, checkpoint=cfg.checkpoint, dtype="float32", progress=progress)
-    if data.manifest["vocab_size"] > m.config.vocab_size:
+    source = None if loaded else open_model(cfg.model, cfg.checkpoint)
+    vocab_size, name = (loaded or source).config.vocab_size, loaded.name if loaded else source.label
+    if data.manifest["vocab_size"] > vocab_size:
         raise UserError(f"{cfg.data} was tokenized for a {data.manifest['vocab_size']}-token vocabulary; "
-                        f"{m.name} has {m.config.vocab_size}")
+                        f"{name} has {vocab_size}")
+    m = loaded or source.load(dtype="float32", progress=progress)
     task = make_task(m, cfg, data.tokens.shape[1])
     trainer = Trainer(cfg, task)
     mesh = sharding.make_mesh(devices)
@@ -198,8 +200,8 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool = True, devic
         return record
 
     last = min(cfg.steps, cfg.stop_at or cfg.steps)  # a run cut short keeps the schedule of `steps`
-    bar = tqdm(total=last, initial=min(start, last), desc="training", unit="step", file=sys.stderr, disable=not progress)
-    say = bar.write if progress else (lambda line: None)
+    bar = progress_bar.bar(total=last, initial=min(start, last), desc="training", unit="step", show=progress)
+    say = (lambda line: bar.write(line, file=sys.stderr)) if progress is not False else (lambda line: None)
     if start:
         say(f"resumed from step {start} in {out}")
     if start == 0:  # the untrained draft's figures start the held-out curve

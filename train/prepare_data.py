@@ -15,7 +15,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -148,9 +147,10 @@ def write_split(out: str, split: str, tokens, masks, lengths, shard_rows: int) -
 
 def prepare(model: str, out: str, *, source: str | None = None, max_len: int = 1024, pack: bool = False,
             train_on: str = "assistant", eval_fraction: float = 0.02, limit: int | None = None,
-            shard_rows: int = 4096, progress: bool = True) -> dict:
+            shard_rows: int = 4096, progress: bool | None = None) -> dict:
     import datasets
-    from tqdm import tqdm
+
+    from s3djax import progress as progress_bar
 
     from s3djax.loading import load_tokenizer
 
@@ -173,7 +173,7 @@ def prepare(model: str, out: str, *, source: str | None = None, max_len: int = 1
                                      for i, r in enumerate(records)])
     dropped, skipped = collections.Counter(), collections.Counter()
     splits = {"train": [], "eval": []}
-    for row in tqdm(ds, desc="tokenizing", unit="conv", file=sys.stderr, disable=not progress):
+    for row in progress_bar.bar(ds, desc="tokenizing", unit="conv", show=progress):
         messages = clean_turns(json.loads(row["conversations"]), dropped)
         if not any(m["role"] == "assistant" for m in messages):
             skipped["no assistant turn"] += 1

@@ -20,14 +20,13 @@ import logging
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 
 import jax
 import numpy as np
 
-from infer.cli import Parser, run
+from infer.cli import Parser, output_folder, run
 from s3djax import bench_data, device
 from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
@@ -164,7 +163,7 @@ def finished_trials(study) -> list:
 
 
 def search(m: LoadedModel, prompts: list[list[int]], out: str, cfg: SearchConfig = SearchConfig(),
-           progress: bool = True, dev_set: dict | None = None, plan_out: str | None = None,
+           progress: bool | None = None, dev_set: dict | None = None, plan_out: str | None = None,
            evaluator: Evaluator | None = None) -> dict:
     """Run (or resume) the study in `out` up to `cfg.trials` finished trials, freeze the best plan and
     write it to `plan_out` (default OUT/plan.yaml). Returns {"plan", "path", "meta", "ran"}.
@@ -172,7 +171,7 @@ def search(m: LoadedModel, prompts: list[list[int]], out: str, cfg: SearchConfig
     `evaluator`: one built for these prompts and settings before (its executables are reused)."""
     import optuna
     from optuna.trial import TrialState
-    from tqdm import tqdm
+    from s3djax import progress as progress_bar
 
     os.makedirs(out, exist_ok=True)
     num_layers = m.config.num_layers
@@ -190,8 +189,8 @@ def search(m: LoadedModel, prompts: list[list[int]], out: str, cfg: SearchConfig
     ev = evaluator or Evaluator(m, prompts, cfg)
     compile_s = ev.warm_up()
     log_path = os.path.join(out, "trials.jsonl")
-    bar = tqdm(total=cfg.trials, initial=min(done, cfg.trials), desc="search", unit="trial",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar.bar(total=cfg.trials, initial=min(done, cfg.trials), desc="search", unit="trial",
+                           show=progress, dynamic_ncols=True)
 
     def best():
         complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -329,16 +328,18 @@ def main(argv=None):
     p.check(args, trials=args.trials >= 1, prompts=args.prompts >= 1, max_new_tokens=args.max_new_tokens >= 2,
             max_cache_len=args.max_cache_len >= 0, cutoff=args.cutoff > 1, finalists=args.finalists >= 1,
             repeats=args.repeats >= 1, dataset=args.dataset in bench_data.DATASETS)
-    from s3djax.loading import load_model
+    from s3djax.loading import open_model
 
     cfg = SearchConfig(trials=args.trials, max_new_tokens=args.max_new_tokens, max_draft=args.depth, seed=args.seed,
                        max_cache_len=args.max_cache_len, cutoff=args.cutoff, finalists=args.finalists,
                        repeats=args.repeats, seeds=args.seed_plans)
-    m = load_model(args.model, checkpoint=args.checkpoint, progress=not args.quiet)
-    dev = bench_data.prompts(args.dataset, m.tokenizer, args.prompts)
+    source = open_model(args.model, args.checkpoint)
+    dev = bench_data.prompts(args.dataset, source.tokenizer, args.prompts)
     if len(dev) < args.prompts:
         raise UserError(f"{args.dataset} has only {len(dev)} prompts; lower --prompts")
-    result = search(m, [d["ids"] for d in dev], args.out, cfg, progress=not args.quiet, plan_out=args.plan_out,
+    output_folder(args.out)
+    m = source.load(progress=False if args.quiet else None)
+    result = search(m, [d["ids"] for d in dev], args.out, cfg, progress=False if args.quiet else None, plan_out=args.plan_out,
                     dev_set={"dataset": args.dataset, "ids": [d["id"] for d in dev]})
     meta = result["meta"]
     print(f"{result['ran']} trials run now, {meta['trials']} in all; best plan: skip {result['plan'].spec()}")

@@ -1,0 +1,225 @@
+"""The Python API: load a model once, then generate with any method, as many times as you like.
+
+    gen = s3djax.Generator("smollm2-135m", method="s3d")
+    out = gen.generate("Explain why the sky is blue.", max_new_tokens=128)
+    print(out.text, out.tokens_per_s, out.tau, out.acceptance_by_depth)
+
+Every option is checked before a weight is read, with the command line's one-line `UserError`s.
+Switching the method or its options reuses the loaded weights, and a method built once keeps its
+compiled steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+from s3djax import device, methods, quant
+from s3djax.built import Built
+from s3djax.decode import Result, Runner
+from s3djax.errors import UserError
+from s3djax.loading import LoadedModel, ModelSource, open_model
+from s3djax.registry import DEFAULT_MODEL
+from s3djax.sampling import Sampling
+from s3djax.tokenizer import encode_prompt
+
+
+@dataclasses.dataclass
+class Output:
+    """One completion and its statistics: those of `python -m infer.generate --json`."""
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    tokens_per_s: float
+    ttft_s: float
+    compile_s: float
+    method: str
+    device: str
+    quant: str
+    param_bytes: int
+    peak_device_bytes: int | None
+    stats: dict  # speculative methods: mean_accepted_tokens (tau), acceptance_by_depth, verify_steps, ...
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per verify step, the bonus token included (speculative methods)."""
+        return self.stats.get("mean_accepted_tokens")
+
+    @property
+    def acceptance_by_depth(self) -> list[float] | None:
+        return self.stats.get("acceptance_by_depth")
+
+    def json(self) -> dict:
+        return dict(text=self.text, prompt_tokens=self.prompt_tokens, new_tokens=len(self.token_ids),
+                    tokens_per_s=round(self.tokens_per_s, 3), ttft_s=round(self.ttft_s, 4),
+                    compile_s=round(self.compile_s, 3), device=self.device, method=self.method, quant=self.quant,
+                    param_bytes=self.param_bytes, peak_device_bytes=self.peak_device_bytes, **self.stats)
+
+
+@dataclasses.dataclass
+class Session:
+    """One method with its options and sampling, built on the loaded weights; its Runner keeps the
+    compiled steps."""
+    method: str
+    built: Built
+    runner: Runner
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.built.warnings
+
+    @property
+    def about(self) -> str:
+        """Which draft a speculative method uses, as the stats line names it."""
+        return self.built.draft
+
+
+class Stream:
+    """Iterate for the text as it is decoded (whole UTF-8 characters only); `output` is set once
+    the iteration ends."""
+
+    def __init__(self, gen: "Generator", session: Session, ids: list[int], steps: Iterator[list[int]]):
+        self._gen, self._session, self._ids, self._steps = gen, session, ids, steps
+        self.output: Output | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        tokenizer, printed = self._gen.tokenizer, 0
+        while True:
+            try:
+                tokens = next(self._steps)
+            except StopIteration as finished:
+                self.output = self._gen._output(self._session, finished.value)
+                return
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # hold back an incomplete character
+                yield text[printed:]
+                printed = len(text)
+
+
+class Generator:
+    """A model loaded once, and the methods that decode with it.
+
+    model: a registry name, a .gguf file or a Hugging Face checkpoint folder (`checkpoint` for a
+    registry shape such as llama-2-7b). method and **options: the default method and its options
+    (`methods.Options`: skip, gamma, tree, draft_path, max_draft, exit_layer, eta, thresholds,
+    target_from); `generate` and `stream` may name others. quant: None keeps the weights as stored,
+    "int8" or "int8-all" quantizes on load. load=False reads the weights on first use (`load`).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, method: str = "ar", dtype: str = "float32",
+                 max_cache_len: int = 2048, quant: str | None = None, matmul: str = "xla", attention: str = "xla",
+                 checkpoint: str | None = None, load: bool = True, progress: bool | None = None, **options):
+        from s3djax.loading import check_load_options
+
+        check_load_options(dtype, quant, matmul)
+        if attention not in ("xla", "pallas"):
+            raise UserError(f"unknown attention {attention!r}; choose from xla, pallas")
+        if max_cache_len < 2:
+            raise UserError(f"--max-cache-len must be at least 2, got {max_cache_len}")
+        self.source = open_model(model, checkpoint)
+        self.dtype, self.max_cache_len, self.quant, self.matmul, self.attention = (
+            dtype, max_cache_len, quant, matmul, attention)
+        self.method, self.options, self.progress = method, options, progress
+        self.model: LoadedModel | None = None
+        self._sessions: dict = {}  # key -> Session
+        self._checked: dict = {}   # key -> the decoder of a build over abstract weights
+        self.check()
+        if load:
+            self.load()
+
+    @classmethod
+    def from_model(cls, model: LoadedModel, *, method: str = "ar", dtype: str = "float32", max_cache_len: int = 2048,
+                   **options) -> "Generator":
+        """A Generator on weights already in memory (a random test model, weights changed in a notebook)."""
+        gen = cls.__new__(cls)
+        gen.source = ModelSource(model.name, "", None, model.config, None, _tokenizer=model.tokenizer)
+        gen.dtype, gen.max_cache_len, gen.quant, gen.matmul, gen.attention = (
+            dtype, max_cache_len, None if model.quant == "none" else model.quant, model.matmul, model.config.attention)
+        gen.method, gen.options, gen.progress, gen.model, gen._sessions, gen._checked = (
+            method, options, None, model, {}, {})
+        gen.check()
+        return gen
+
+    @property
+    def tokenizer(self):
+        return self.source.tokenizer
+
+    @property
+    def config(self):
+        return self.source.config
+
+    def load(self) -> LoadedModel:
+        """Read the weights (once)."""
+        if self.model is None:
+            self.model = self.source.load(dtype=self.dtype, attention=self.attention, quantization=self.quant,
+                                          matmul=self.matmul, progress=self.progress)
+        return self.model
+
+    def check(self, prompt: str | None = None, *, method: str | None = None, chat_template: bool = True,
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, **options) -> list[int] | None:
+        """Everything that can be checked without the weights: the method and its options (artifact
+        files by their contents), the sampling, and whether the prompt fits the cache. Returns the
+        prompt's token ids when given one."""
+        key = self._key(method, Sampling(temperature, top_k, top_p), options)
+        if key not in self._checked:
+            method, sampling, options = key[0], key[1], dict(key[2])
+            self._checked[key] = methods.check(method, self.source, max_cache_len=self.max_cache_len,
+                                               sampling=sampling, dtype=self.dtype, quantization=self.quant,
+                                               matmul=self.matmul, **options).decoder
+        if prompt is None:
+            return None
+        ids = encode_prompt(self.tokenizer, prompt, chat_template)
+        self._checked[key].check_prompt(len(ids))
+        return ids
+
+    def _key(self, method: str | None, sampling: Sampling, options: dict) -> tuple:
+        """What a built method depends on besides the weights."""
+        return method or self.method, sampling, tuple(sorted({**self.options, **options}.items()))
+
+    def session(self, method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                **options) -> Session:
+        """The method built on the loaded weights; built once per method, options and sampling."""
+        key = self._key(method, Sampling(temperature, top_k, top_p), options)
+        if key not in self._sessions:
+            if self.model is None:  # bad options fail before the weights are read
+                self.check(method=method, temperature=temperature, top_k=top_k, top_p=top_p, **options)
+            method, sampling, options = key[0], key[1], dict(key[2])
+            built = methods.build(method, self.load(), max_cache_len=self.max_cache_len, dtype=self.dtype,
+                                  sampling=sampling, **options)
+            self._sessions[key] = Session(method, built, Runner(built.decoder, built.params))
+        return self._sessions[key]
+
+    def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, method: str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 chat_template: bool = True, **options) -> Output | list[Output]:
+        """The completion of one prompt, or of each prompt in a list (one after another)."""
+        if isinstance(prompt, (list, tuple)):
+            return [self.generate(p, max_new_tokens, method=method, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, chat_template=chat_template, **options) for p in prompt]
+        session, ids = self._start(prompt, max_new_tokens, method, chat_template,
+                                   dict(temperature=temperature, top_k=top_k, top_p=top_p), options)
+        return self._output(session, session.runner.generate(ids, max_new_tokens, seed=seed))
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, *, method: str | None = None, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat_template: bool = True, chunk: int = 16,
+               **options) -> Stream:
+        """Like `generate`, but iterate the result for the text as it comes, `chunk` decode steps at a
+        time; the Output is the stream's `output` once it ends."""
+        session, ids = self._start(prompt, max_new_tokens, method, chat_template,
+                                   dict(temperature=temperature, top_k=top_k, top_p=top_p), options)
+        return Stream(self, session, ids, session.runner.iterate(ids, max_new_tokens, seed, chunk))
+
+    def _start(self, prompt, max_new_tokens, method, chat_template, sampling, options):
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        session = self.session(method, **sampling, **options)
+        ids = encode_prompt(self.tokenizer, prompt, chat_template)
+        session.built.decoder.check_prompt(len(ids))
+        return session, ids
+
+    def _output(self, session: Session, result: Result) -> Output:
+        return Output(text=self.tokenizer.decode(result.tokens, skip_special_tokens=True), token_ids=result.tokens,
+                      prompt_tokens=result.prompt_tokens, tokens_per_s=result.tokens_per_s, ttft_s=result.ttft_s,
+                      compile_s=result.compile_s, method=session.method, device=device.describe(),
+                      quant=self.model.quant, param_bytes=quant.param_bytes(session.built.params),
+                      peak_device_bytes=device.memory_bytes("peak_bytes_in_use"), stats=result.stats)
