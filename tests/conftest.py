@@ -1,8 +1,16 @@
 import os
 import warnings
 
-import pytest
-from jax import monitoring
+# One persistent XLA cache for every worker of a run and the command lines they start, set before JAX
+# starts (subprocesses inherit it): tests build the same decoders again (each Runner lowers its own),
+# and XLA's compiling is much of the suite's time on two cores.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), ".xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+
+import pytest  # noqa: E402
+from jax import monitoring  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -14,7 +22,8 @@ monitoring.register_event_duration_secs_listener(
 
 @pytest.fixture
 def compiles():
-    """How many XLA backend compilations have run so far: a test compares it before and after."""
+    """How many executables were needed so far (compiled, or read from the persistent cache: JAX times
+    both as a backend compile): a test compares it before and after."""
     return lambda: len(_COMPILES)
 
 

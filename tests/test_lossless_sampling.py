@@ -133,10 +133,14 @@ def test_a_near_zero_temperature_is_greedy_and_seeds_reproduce():
     plan = SkipPlan.parse("1-2", LLAMA.num_layers)
     draft = init_draft(params, LLAMA, plan, lora_rank=2)
 
+    runners = {}  # one compile per sampling setting
+
     def run(sampling, seed):
-        decoder = SpecDecoder.create(ARDecoder(LLAMA, 64, eos_ids=(), sampling=sampling),
-                                     S3DDrafter(LLAMA, plan, trees.resolve("tree-8", 4), 4))
-        return Runner(decoder, (params, draft)).generate(prompt, 24, seed=seed).tokens
+        if sampling not in runners:
+            decoder = SpecDecoder.create(ARDecoder(LLAMA, 64, eos_ids=(), sampling=sampling),
+                                         S3DDrafter(LLAMA, plan, trees.resolve("tree-8", 4), 4))
+            runners[sampling] = Runner(decoder, (params, draft))
+        return runners[sampling].generate(prompt, 24, seed=seed).tokens
 
     greedy = Runner(ARDecoder(LLAMA, 64, eos_ids=()), params).generate(prompt, 24).tokens
     assert run(Sampling(temperature=1e-4), 0) == greedy
