@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import common
+
 
 def reference(x, values, scale):
     """Plain jnp: x [..., K] (bf16 or fp32), values int8 [K, N], scale [N] fp32 (per output channel).
@@ -96,19 +98,15 @@ def _both(rows, cols):
 
 
 def _load(ref, rows, cols=None):
-    # Masked-off lanes come back undefined (NaN in interpret mode), hence the select to zero; the
-    # `other=` argument would need a literal of the ref's exact dtype, which is less portable.
-    mask = _both(rows, cols) if len(ref.shape) == 2 else rows
-    if mask is None:
-        return ref[...]
-    return jnp.where(mask, plgpu.load(ref, mask=mask), 0)
+    return common.masked_load(ref, _both(rows, cols) if len(ref.shape) == 2 else rows)
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "backend"))
 def int8_matmul(x, values, scale, *, block_m: int | None = None, block_n: int | None = None,
-                block_k: int | None = None, interpret: bool | None = None):
+                block_k: int | None = None, backend: str | None = None):
     """The Pallas kernel with `reference`'s contract. Leading dims of x are flattened into M rows.
-    Blocks default to `choose_blocks`; each must be a power of two >= 16."""
+    Blocks default to `choose_blocks`; each must be a power of two >= 16. backend: one of
+    `common.BACKENDS`, or None for the one that fits the platform lowered for (see `common`)."""
     *lead, k = x.shape
     n = values.shape[1]
     if values.shape != (k, n) or values.dtype != jnp.int8 or scale.shape != (n,):
@@ -120,23 +118,16 @@ def int8_matmul(x, values, scale, *, block_m: int | None = None, block_n: int | 
     block_m, block_n, block_k = block_m or auto[0], block_n or auto[1], block_k or auto[2]
     for b in (block_m, block_n, block_k):
         assert b >= 16 and b & (b - 1) == 0, f"blocks must be powers of two >= 16 (Triton), got {b}"
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    compiler_params = None
-    if not interpret:
-        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=3)
     kernel = functools.partial(_kernel, m=m, k=k, n=n, block_k=block_k)
     # The K extent of a block is the whole, unpadded K: the kernel's loop slices it, masking a ragged tail.
-    out = pl.pallas_call(
-        kernel,
+    out = common.pallas_call(
+        kernel, backend, num_warps=4, num_stages=3,
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         grid=(pl.cdiv(m, block_m), pl.cdiv(n, block_n)),
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)),
                   pl.BlockSpec((k, block_n), lambda i, j: (0, j)),
                   pl.BlockSpec((block_n,), lambda i, j: (j,))],
         out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-        interpret=interpret,
-        compiler_params=compiler_params,
         name="int8_matmul",
     )(x2, values, scale.astype(jnp.float32))
     return out.reshape(*lead, n)

@@ -8,6 +8,10 @@ Layout (flash-decoding): the grid is (batch, KV head, split). A program takes ev
 one KV head's group ([G*T, D], so each K/V block is loaded once per group), walks its share of
 the prefix blocks with an online softmax, and writes an unnormalised partial (acc, max, sum).
 Split 0 also takes the T new keys under the tree mask. `combine` merges the splits.
+
+Triton wants every array a power of two, so query rows, new keys and the head dim are padded to
+one (Phi-3's 96 to 128). The cache is never copied for it: its blocks overhang the real head dim
+and the kernel masks the loads of the columns past it, which, zero, add nothing to q.k or p@v.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pallas_kernels import common
 
 NEG = -1e30  # a finite "minus infinity": exp(NEG - m) underflows to 0 without inf - inf = nan
 
@@ -41,12 +47,13 @@ def reference(q, k_cache, v_cache, lengths, k_new, v_new, tree):
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m_ref, l_ref, *,
-            block_k: int, blocks_per_split: int, scale: float):
+            block_k: int, blocks_per_split: int, head_dim: int, scale: float):
     b, split = pl.program_id(0), pl.program_id(2)
     length = lengths_ref[b]
     s_len = k_ref.shape[0]
     q = q_ref[...].astype(jnp.float32) * scale                                    # [R, D]
-    rows = q.shape[0]
+    rows, d_p = q.shape
+    columns = None if head_dim == d_p else jax.lax.broadcasted_iota(jnp.int32, (1, d_p), 1) < head_dim
 
     def attend(carry, k, v, visible):
         acc, m, l = carry
@@ -62,8 +69,9 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m
         start = jnp.minimum(j * block_k, s_len - block_k)
         pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
         visible = (pos >= j * block_k) & (pos < length)
-        return attend(carry, k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :],
-                      jnp.broadcast_to(visible, (rows, block_k)))
+        span = pl.ds(start, block_k)
+        return attend(carry, common.masked_load(k_ref.at[span, :], columns),
+                      common.masked_load(v_ref.at[span, :], columns), jnp.broadcast_to(visible, (rows, block_k)))
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
     first = split * blocks_per_split
@@ -93,11 +101,12 @@ def choose_blocks(cache_len: int, rows: int) -> tuple[int, int]:
     return block_k, splits
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "interpret", "poison"))
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "backend", "poison"))
 def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k: int | None = None,
-                   splits: int | None = None, interpret: bool | None = None, poison: bool = False):
-    """The Pallas kernel with `reference`'s signature. `poison` fills the output buffers with NaN
-    before the call (a test that every element gets written)."""
+                   splits: int | None = None, backend: str | None = None, poison: bool = False):
+    """The Pallas kernel with `reference`'s signature. backend: one of `common.BACKENDS`, or None for
+    the one that fits the platform lowered for (see `common`). `poison` fills the output buffers with
+    NaN before the call (a test that every element gets written)."""
     b, t, h, d = q.shape
     s, kv_heads = k_cache.shape[1], k_cache.shape[2]
     g = h // kv_heads
@@ -105,32 +114,31 @@ def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k:
     auto_block, auto_splits = choose_blocks(s, rows)
     block_k, splits = block_k or auto_block, splits or auto_splits
     blocks_per_split = pl.cdiv(pl.cdiv(s, block_k), splits)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    # Rows are (group member, token), the same folding as s3djax.layers.attend. Rows and new keys
-    # are padded to powers of two of at least 16, as Triton's dot needs; padded keys are masked
-    # out and padded rows dropped.
-    rows_p, t_p = _padded(rows), _padded(t)
+    # Rows are (group member, token), the same folding as s3djax.layers.attend. Rows, new keys and
+    # the head dim are padded to powers of two of at least 16, as Triton's dot needs; padded keys
+    # are masked out, padded rows and columns dropped.
+    rows_p, t_p, d_p = _padded(rows), _padded(t), _padded(d)
     qr = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - rows), (0, 0)))
-    kn, vn = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, t_p - t), (0, 0))) for x in (k_new, v_new))
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - rows), (0, d_p - d)))
+    kn, vn = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, t_p - t), (0, d_p - d))) for x in (k_new, v_new))
     tree_rows = jnp.pad(jnp.tile(tree, (1, g, 1)), ((0, 0), (0, rows_p - rows), (0, t_p - t)))  # [B, R, T]
     rows, t = rows_p, t_p
-    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),
+    out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d_p), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32),
                  jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)]
     sq = pl.Squeezed()
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),
-        pl.BlockSpec((sq, sq, rows, d), lambda i, j, k: (i, j, 0, 0)),
+        pl.BlockSpec((sq, sq, rows, d_p), lambda i, j, k: (i, j, 0, 0)),
         # The cache is read in place ([B, S, K, D], one KV head's [S, D] slice): no copy per call.
-        pl.BlockSpec((sq, s, sq, d), lambda i, j, k: (i, 0, j, 0)),
-        pl.BlockSpec((sq, s, sq, d), lambda i, j, k: (i, 0, j, 0)),
-        pl.BlockSpec((sq, sq, t, d), lambda i, j, k: (i, j, 0, 0)),
-        pl.BlockSpec((sq, sq, t, d), lambda i, j, k: (i, j, 0, 0)),
+        # A head dim that is no power of two is overhung, and the kernel masks the columns past it.
+        pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
+        pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
+        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, 0, 0)),
+        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, 0, 0)),
         pl.BlockSpec((sq, rows, t), lambda i, j, k: (i, 0, 0)),
     ]
-    out_specs = [pl.BlockSpec((sq, sq, sq, rows, d), lambda i, j, k: (i, j, k, 0, 0)),
+    out_specs = [pl.BlockSpec((sq, sq, sq, rows, d_p), lambda i, j, k: (i, j, k, 0, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0))]
     args = [lengths.astype(jnp.int32), qr, k_cache, v_cache, kn, vn, tree_rows]
@@ -139,18 +147,14 @@ def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k:
         args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
         in_specs += out_specs
         aliases = {len(args) - 3 + i: i for i in range(3)}
-    kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=blocks_per_split, scale=d ** -0.5)
+    kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=blocks_per_split, head_dim=d,
+                               scale=d ** -0.5)
     if poison:
         kernel = functools.partial(_drop_aliased_inputs, kernel)
-    compiler_params = None
-    if not interpret and jax.default_backend() == "gpu":
-        from jax.experimental.pallas import triton as plgpu
-
-        compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    acc, m, l = pl.pallas_call(kernel, out_shape=out_shape, grid=(b, kv_heads, splits), in_specs=in_specs,
-                               out_specs=out_specs, input_output_aliases=aliases, interpret=interpret,
-                               compiler_params=compiler_params)(*args)
-    out = combine(acc, m, l)[:, :, :g * q.shape[1]]                                   # [B, K, G*T, D]
+    acc, m, l = common.pallas_call(kernel, backend, num_warps=4, num_stages=2, out_shape=out_shape,
+                                   grid=(b, kv_heads, splits), in_specs=in_specs, out_specs=out_specs,
+                                   input_output_aliases=aliases, name="tree_attention")(*args)
+    out = combine(acc, m, l)[:, :, :g * q.shape[1], :d]                               # [B, K, G*T, D]
     t = q.shape[1]
     return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 

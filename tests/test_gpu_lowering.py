@@ -1,18 +1,131 @@
-"""Every method's jitted steps lower for CUDA from this CPU-only install, so a GPU run meets no
-lowering error (XLA attention here; the Pallas kernels' CUDA lowering is issue 22's)."""
+"""Every method's jitted steps, and the Pallas kernels in them, lower for CUDA from this CPU-only
+install, so a GPU run meets no lowering error.
+
+The kernels lower on the Triton backend (Pallas's GPU lowering, Triton's power-of-two shape rules
+included) at the registry models' decode shapes. Shapes are `jax.ShapeDtypeStruct`s and params
+abstract, so a 7B model costs no memory. What is left to a GPU is compiling the Triton IR itself.
+"""
+
+import dataclasses
+import functools
+import itertools
+import re
+import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from s3djax import methods
+from pallas_kernels.int8_matmul import int8_matmul
+from pallas_kernels.tree_attention import tree_attention
+from s3djax import methods, quant, registry
+from s3djax.loading import LoadedModel
+from s3djax.model import abstract_params
+from s3djax.speculative.tree import TreeSpec, named_trees
+
+S = jax.ShapeDtypeStruct
+MODELS = ("smollm2-135m", "llama-2-7b", "phi-3-mini-4k")  # head dims 64, 128 and 96
+GAMMA = 4
+# New tokens per step: AR's one, a chain's gamma + 1, and each named tree's nodes, root included.
+NEW_TOKENS = (1, GAMMA + 1, *sorted(TreeSpec.from_paths(paths).num_nodes for paths in named_trees().values()))
+CACHES = (512, 2048, 8192)
+PROMPT = 512  # int8 rows past one 128-row tile, as in a prefill
+DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+
+
+def lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_kernels(text: str) -> set[str]:
+    """The names of the Triton kernels that a lowered module calls."""
+    return set(re.findall(r'@__gpu\$xla\.gpu\.triton\(.*?name = "(\w+)"', text))
+
+
+def assert_every_case_lowers(cases, lower_case) -> None:
+    """Lowers every case, then fails naming each one that raised: one run reports every failing shape."""
+    failures = []
+    for case in cases:
+        try:
+            lower_case(*case)
+        except Exception as e:  # any error fails the test; collected so that the other cases still run
+            failures.append(f"{case}: {type(e).__name__}: {str(e)[:500]}")
+    assert not failures, f"{len(failures)} cases fail to lower:\n" + "\n".join(failures)
+
+
+def lower_steps(decoder, params) -> tuple[str, str]:
+    """The CUDA lowerings of a decoder's jitted start (a 64-token prompt bucket) and decode steps."""
+    prompt, lengths, key = S((1, 64), jnp.int32), S((1,), jnp.int32), jax.random.key(0)
+    state = jax.eval_shape(decoder.start, params, prompt, lengths, key)
+    return lower(decoder.start, params, prompt, lengths, key), lower(decoder.decode, params, state, jnp.int32(10))
 
 
 @pytest.mark.parametrize("method", methods.METHODS)
 def test_the_start_and_decode_steps_lower_for_cuda(smollm2, method):
     built = methods.build(method, smollm2, max_cache_len=2048)
-    prompt, lengths, key = jnp.zeros((1, 64), jnp.int32), jnp.array([40], jnp.int32), jax.random.key(0)
-    state = jax.eval_shape(built.decoder.start, built.params, prompt, lengths, key)
-    lower = lambda step, *args: jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    lower(built.decoder.start, built.params, prompt, lengths, key)
-    assert "stablehlo.while" in lower(built.decoder.decode, built.params, state, jnp.int32(10))  # one loop, on device
+    assert "stablehlo.while" in lower_steps(built.decoder, built.params)[1]  # one loop, on device
+
+
+@pytest.mark.parametrize("name", MODELS)
+@DTYPES
+def test_tree_attention_lowers_with_triton_at_every_decode_shape(name, dtype):
+    c = registry.entries()[name].config()
+
+    def lower_case(t, s):
+        q = S((1, t, c.num_heads, c.head_dim), dtype)
+        cache, new = S((1, s, c.num_kv_heads, c.head_dim), dtype), S((1, t, c.num_kv_heads, c.head_dim), dtype)
+        text = lower(functools.partial(tree_attention, backend="triton"), q, cache, cache, S((1,), jnp.int32), new,
+                     new, S((1, t, t), jnp.bool_))
+        assert triton_kernels(text) == {"tree_attention"}
+
+    assert_every_case_lowers(itertools.product(NEW_TOKENS, CACHES), lower_case)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@DTYPES
+def test_int8_matmul_lowers_with_triton_at_every_projection(name, dtype):
+    layer = abstract_params(registry.entries()[name].config())["layers_0"]
+    shapes = sorted({w.shape for path, w in jax.tree_util.tree_leaves_with_path(layer) if path[-1].key in quant.LINEARS})
+
+    def lower_case(m, shape):
+        k, n = shape
+        text = lower(functools.partial(int8_matmul, backend="triton"), S((m, k), dtype), S((k, n), jnp.int8),
+                     S((n,), jnp.float32))
+        assert triton_kernels(text) == {"int8_matmul"}
+
+    assert_every_case_lowers(itertools.product((*NEW_TOKENS, PROMPT), shapes), lower_case)
+
+
+def test_the_default_backend_follows_the_platform_lowered_for():
+    traced = jax.jit(int8_matmul).trace(S((5, 576), jnp.bfloat16), S((576, 192), jnp.int8), S((192,), jnp.float32))
+    assert triton_kernels(traced.lower(lowering_platforms=("cuda",)).as_text()) == {"int8_matmul"}
+    assert triton_kernels(traced.lower(lowering_platforms=("cpu",)).as_text()) == set()  # the interpreter
+
+
+def abstract_build(name: str, method: str, quantization: str | None):
+    """(decoder, abstract bf16 params) of `method` on a registry model's shapes, attending with the
+    Pallas kernel and, quantized, multiplying with the Pallas int8 matmul."""
+    config = dataclasses.replace(registry.entries()[name].config(), attention="pallas")
+    model = LoadedModel(name, config, None, types.SimpleNamespace(pad_token_id=0, eos_token_id=None), 0.0)
+    decoders = []
+
+    def build(params):
+        if quantization:
+            params = quant.apply(params, quantization, jnp.bfloat16, "pallas")
+        built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=2048,
+                              dtype="bfloat16", draft_path="none")
+        decoders.append(built.decoder)
+        return built.params
+
+    params = jax.eval_shape(build, abstract_params(config, jnp.bfloat16))
+    return decoders[0], params
+
+
+@pytest.mark.parametrize("name, method, quantization", [
+    ("smollm2-135m", "ar", None), ("smollm2-135m", "s3d", "int8"),
+    ("phi-3-mini-4k", "ar", "int8"), ("phi-3-mini-4k", "s3d", None)])
+def test_steps_with_the_pallas_kernels_lower_for_cuda_with_triton(name, method, quantization):
+    start, decode = lower_steps(*abstract_build(name, method, quantization))
+    matmul = {"int8_matmul"} if quantization else set()
+    assert triton_kernels(decode) == {"tree_attention"} | matmul
+    assert triton_kernels(start) == matmul  # the prefill attends under a dense causal mask, through XLA

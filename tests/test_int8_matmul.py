@@ -79,7 +79,7 @@ class TestInt8Matmul:
         # Traced for the GPU path (nothing is lowered): the int8 weight goes straight into the
         # pallas_call, with no dequantized, padded or copied version built around it.
         x, values, scale = inputs((5, 100), 77, jnp.bfloat16)
-        jaxpr = jax.make_jaxpr(lambda x, v, s: int8_matmul(x, v, s, interpret=False))(x, values, scale).jaxpr
+        jaxpr = jax.make_jaxpr(lambda x, v, s: int8_matmul(x, v, s, backend="triton"))(x, values, scale).jaxpr
         inner = jaxpr.eqns[0].params["jaxpr"]                                                # the jit
         [call] = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
         assert call.invars[1] is inner.invars[1]
