@@ -226,6 +226,8 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
                 metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
                                "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
                 bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
+                if bar.disable:  # no bar to carry them: a log gets the metrics as a line
+                    say(f"step {step}: loss {s['loss']:.3f}, accuracy by depth {s['depth_acc']}, {rate:.0f} tokens/s")
                 window, tokens, tic = None, 0, time.perf_counter()
             if step % cfg.eval_every == 0 or step == last:
                 e = evaluate(step)
