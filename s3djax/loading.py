@@ -75,8 +75,9 @@ def _resolve(name_or_path: str, checkpoint: str | None):
 @dataclasses.dataclass
 class ModelSource:
     """A model found but not yet loaded: its config from the file's header, so every option can be
-    checked before any weight is read; the tokenizer is built on first use."""
-    label: str
+    checked before any weight is read; the tokenizer is built on first use. `name` and `config` read
+    as a LoadedModel's do."""
+    name: str
     path: str
     entry: registry.ModelEntry | None
     config: ModelConfig
@@ -101,10 +102,10 @@ class ModelSource:
         with ThreadPoolExecutor(1) as pool:
             tok = pool.submit(lambda: self.tokenizer)
             config = self.config.replace(attention=attention)
-            params = weights.from_hf_tensors(_with_progress(self._tensors, weights.num_tensors(config), self.label, progress),
+            params = weights.from_hf_tensors(_with_progress(self._tensors, weights.num_tensors(config), self.name, progress),
                                              config, DTYPES[dtype], quantization, matmul)
             tok = tok.result()
-        return LoadedModel(self.label, config, params, tok, time.perf_counter() - start, matmul)
+        return LoadedModel(self.name, config, params, tok, time.perf_counter() - start, matmul)
 
 
 def check_load_options(dtype: str, quantization: str | None, matmul: str) -> None:

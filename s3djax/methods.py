@@ -87,7 +87,7 @@ def check(method: str, source: ModelSource, *, max_cache_len: int, sampling: Sam
     no weights; it checks prompts); the params are not.
     """
     quant.check_mode(quantization or "none", matmul)
-    model = LoadedModel(source.label, source.config, None, source.tokenizer, 0.0, matmul)
+    model = LoadedModel(source.name, source.config, None, source.tokenizer, 0.0, matmul)
     built = []
 
     def dry(params):

@@ -160,12 +160,11 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     out = os.path.abspath(cfg.out)
     check_resumable(cfg, out)
     data, held_out = Shards(cfg.data, "train"), Shards(cfg.data, "eval")
-    source = None if loaded else open_model(cfg.model, cfg.checkpoint)
-    vocab_size, name = (loaded or source).config.vocab_size, loaded.name if loaded else source.label
-    if data.manifest["vocab_size"] > vocab_size:
+    model = loaded or open_model(cfg.model, cfg.checkpoint)  # a header, until the checks pass
+    if data.manifest["vocab_size"] > model.config.vocab_size:
         raise UserError(f"{cfg.data} was tokenized for a {data.manifest['vocab_size']}-token vocabulary; "
-                        f"{name} has {vocab_size}")
-    m = loaded or source.load(dtype="float32", progress=progress)
+                        f"{model.name} has {model.config.vocab_size}")
+    m = loaded or model.load(dtype="float32", progress=progress)
     task = make_task(m, cfg, data.tokens.shape[1])
     trainer = Trainer(cfg, task)
     mesh = sharding.make_mesh(devices)
