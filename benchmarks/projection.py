@@ -22,7 +22,7 @@ def main():
     p = Parser(prog="python -m benchmarks.projection", description=__doc__.splitlines()[0])
     p.add_argument("--acceptance", required=True, help="an infer.benchmark results.json with an s3d row")
     p.add_argument("--dataset", default="mt-bench")
-    p.add_argument("--quick", action="store_true", help="quarter-width stand-ins with 4 layers: a CPU check of the script")
+    p.add_argument("--quick", action="store_true", help="a 1/16-width, 2-layer Llama-2-7B stand-in: a CPU check of the script")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--cache-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=10)
@@ -52,12 +52,12 @@ def main():
     if measured["settings"]["tree"] != "chain":
         raise UserError("the projection times a chain verify step; pass a results.json measured with --tree chain")
     rows = []
-    for name in ("llama-2-7b", "phi-3-mini-4k"):
+    for name in ("llama-2-7b",) if args.quick else ("llama-2-7b", "phi-3-mini-4k"):
         config = registry.lookup(name).config()
         if args.quick:
-            config = config.replace(num_layers=4, hidden_size=config.hidden_size // 4,
-                                    intermediate_size=config.intermediate_size // 4,
-                                    num_heads=config.num_heads // 4, num_kv_heads=config.num_kv_heads // 4)
+            config = config.replace(num_layers=2, hidden_size=config.hidden_size // 16,
+                                    intermediate_size=config.intermediate_size // 16,
+                                    num_heads=config.num_heads // 16, num_kv_heads=config.num_kv_heads // 16)
         plan = default_draft_plan(config.num_layers)
         for weights in ("bf16", "int8"):
             print(f"{name} {weights}...", file=sys.stderr, flush=True)

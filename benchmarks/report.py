@@ -12,12 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def device_slug() -> str:
+    """The device in a file name: "cpu", or the accelerator's kind ("nvidia-h100-80gb-hbm3")."""
+    dev = jax.devices()[0]
+    return "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-").lower()
+
+
 def write(out_dir: str, name: str, table: str) -> str:
     print(table)
-    dev = jax.devices()[0]
-    slug = "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-").lower()
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}-{slug}.md")
+    path = os.path.join(out_dir, f"{name}-{device_slug()}.md")
     with open(path, "w") as f:
         f.write(table + "\n")
     print(f"wrote {path}", file=sys.stderr)

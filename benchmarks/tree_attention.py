@@ -27,6 +27,8 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
     from pallas_kernels.tree_attention import tree_attention
     from s3djax import device
     from s3djax.cache import PrefixTreeMask
@@ -39,6 +41,9 @@ def main():
     def xla(q, kc, vc, length, kn, vn, tree):  # what the model runs with attention="xla"
         return attend(q, kc, vc, PrefixTreeMask(length, tree), (kn, vn), "xla")
 
+    def jax_decode(q, kc, vc, length, kn, vn, tree):  # jax's own GPU decode kernel: one query, the prefix only
+        return decode_attention.gqa(q[:, 0], kc, vc, kv_seq_len=length, interpret=jax.default_backend() == "cpu")
+
     peers = {"xla": jax.jit(xla), "pallas": tree_attention}
     try:
         import tokamax  # noqa: F401  (a dense-mask peer where installed)
@@ -48,8 +53,10 @@ def main():
     lines = ["# Tree attention: Pallas kernel vs XLA, bf16", "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}", f"- measured copy bandwidth: {bw / 1e9:.1f} GB/s",
              f"- tokamax: {'installed' if tokamax else 'not installed (no dense-mask peer)'}", "",
-             "| shape | cache | T | XLA µs | Pallas µs | speed-up | Pallas GB/s | of copy bandwidth |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "- jax decode: jax's own `pallas/ops/gpu/decode_attention.gqa`, for T = 1 only (it attends the prefix, "
+             "without the new token)", "",
+             "| shape | cache | T | XLA µs | Pallas µs | jax decode µs | speed-up | Pallas GB/s | of copy bandwidth |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, (heads, kv_heads, d) in models.items():
         for s in lengths:
             for t in ts:
@@ -59,10 +66,12 @@ def main():
                 kn, vn = (jax.random.normal(k, (1, t, kv_heads, d), jnp.bfloat16) for k in ks[3:5])
                 tree = jnp.tril(jnp.ones((1, t, t), bool))
                 length = jnp.asarray([s - t], jnp.int32)
-                us = {k: median_us(f, q, kc, vc, length, kn, vn, tree, repeats=args.repeats) for k, f in peers.items()}
+                us = {k: median_us(f, q, kc, vc, length, kn, vn, tree, repeats=args.repeats)
+                      for k, f in {**peers, **({"jax decode": jax_decode} if t == 1 else {})}.items()}
                 moved = 2 * (s - t) * kv_heads * d * 2  # K and V of the prefix, bf16
                 rate = moved / (us["pallas"] * 1e-6)
-                lines.append(f"| {name} | {s} | {t} | {us['xla']:.0f} | {us['pallas']:.0f} | "
+                peer = f"{us['jax decode']:.0f}" if t == 1 else "-"
+                lines.append(f"| {name} | {s} | {t} | {us['xla']:.0f} | {us['pallas']:.0f} | {peer} | "
                              f"{us['xla'] / us['pallas']:.2f}x | {rate / 1e9:.1f} | {rate / bw:.0%} |")
     report.write(args.out, "tree_attention" + ("_quick" if args.quick else ""), "\n".join(lines))
 

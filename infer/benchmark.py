@@ -34,7 +34,8 @@ def parse_args(argv=None):
                    "hf-ar, hf-early-exit, hf-prompt-lookup (skipped with a note where torch is missing)")
     p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
     p.add_argument("--mt-bench-turns", type=int, choices=(1, 2), default=1)
-    p.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
+    p.add_argument("--limit", default=None, help="prompts per dataset (default: all): N for every set, or "
+                   "DATASET=N pairs separated by commas (mt-bench=80,humaneval=40)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-cache-len", type=int, default=2048, help="prompts that do not fit with the budget are skipped")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -46,9 +47,15 @@ def parse_args(argv=None):
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
     args = p.parse_args(argv)
-    p.check(args, limit=args.limit is None or args.limit >= 1, max_new_tokens=args.max_new_tokens >= 2)
     args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
     args.dataset = [d for d in args.dataset.split(",") if d]
+    limits, ok = {}, True
+    for item in args.limit.split(",") if args.limit is not None else ():
+        name, eq, n = item.rpartition("=")
+        ok &= n.isdigit() and int(n) >= 1 and (not eq or name in args.dataset)
+        limits.update(dict.fromkeys([name] if eq else args.dataset, int(n) if n.isdigit() else 0))
+    p.check(args, limit=ok, max_new_tokens=args.max_new_tokens >= 2)
+    args.limit = limits
     return args
 
 
@@ -208,7 +215,7 @@ def main(argv=None):
             gen.check(method=name, **method_options(args, name))
     notes, sets = [], {}
     for name in args.dataset:
-        items = bench_data.prompts(name, gen.tokenizer, args.limit, mt_bench_turns=args.mt_bench_turns)
+        items = bench_data.prompts(name, gen.tokenizer, args.limit.get(name), mt_bench_turns=args.mt_bench_turns)
         fits = [p for p in items if len(p["ids"]) + args.max_new_tokens <= args.max_cache_len]
         if len(fits) < len(items):
             notes.append(f"{name}: {len(items) - len(fits)} prompts skipped, longer than --max-cache-len "

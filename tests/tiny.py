@@ -1,9 +1,7 @@
 """Small random models for tests: Llama and Phi-3 shapes, and a tiny Llama over SmolLM2's vocabulary so
 training tests run on real ShareGPT tokens in seconds."""
 
-import jax
-
-from s3djax import model
+from benchmarks.tiny_model import TINY, random_params  # noqa: F401  (the tests' tiny model is the suite's)
 from s3djax.config import ModelConfig
 from s3djax.loading import LoadedModel
 
@@ -11,14 +9,6 @@ LLAMA = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_si
                     num_kv_heads=2, head_dim=12, rope_theta=500.0)
 PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size=72, num_layers=4, num_heads=5,
                    num_kv_heads=1, head_dim=8, rope_theta=700.0)
-TINY = ModelConfig(arch="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                   num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-
-
-def random_params(config: ModelConfig, seed: int) -> dict:
-    # Scaled up from init's 0.02 so that argmaxes depend on the weights (a flat model repeats one
-    # token) and a draft has something to distil.
-    return jax.tree.map(lambda a: a * 8 if a.ndim == 2 else a, model.init_params(config, jax.random.key(seed)))
 
 
 def tiny_model(seed: int = 0) -> LoadedModel:
