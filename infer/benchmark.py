@@ -172,9 +172,12 @@ def build_methods(args, gen, prompts_for_tuning, notes):
                 notes.append(f"{name} skipped: transformers runs the float model, not this {m.quant} one")
                 continue
             if not hf:
+                import jax
                 import torch
 
-                hf.append(peers.hf_model(m, dtype=torch.bfloat16 if args.dtype == "bfloat16" else None))
+                on_gpu = jax.default_backend() == "gpu" and torch.cuda.is_available()  # the peer on our device
+                hf.append(peers.hf_model(m, dtype=torch.bfloat16 if args.dtype == "bfloat16" else None,
+                                         device="cuda" if on_gpu else "cpu"))
             model = hf[0]
             exit_layer = None
             if name == "hf-early-exit":
