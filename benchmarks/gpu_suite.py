@@ -60,13 +60,13 @@ def pieces(args, run_dir: str) -> list[Piece]:
     out += [Piece("tree-attention", ("-m", "benchmarks.tree_attention", *quick, "--out", at("tree-attention")), ("gpu",)),
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}
+    methods = "ar,s3d" if args.tiny else args.methods  # --tiny proves the piece; the tests prove each method
     for variant, flags in VARIANTS.items():  # the headline (bf16, XLA attention) first: a short lease gets it
         for dataset, limit in limits.items():
             name = f"bench-{dataset}-{variant}"
             if args.tiny and name not in ("bench-mt-bench-bf16-xla", "bench-humaneval-int8-pallas"):
                 continue  # --tiny: both datasets and both kinds of flags, not every pairing
             peers = variant.startswith("bf16")  # transformers runs the float model only
-            methods = "ar,s3d" if args.tiny else args.methods  # --tiny proves the piece; the tests prove each method
             out.append(Piece(name, ("-m", "infer.benchmark", *model, "--methods", methods + (",hf-ar" if peers else ""),
                                     "--dataset", dataset, "--limit", str(limit), "--max-new-tokens", str(args.max_new_tokens),
                                     "--max-cache-len", str(args.max_cache_len), "--dtype", "bfloat16", *flags, "--out", at(name),
@@ -185,6 +185,12 @@ def write_summary(run_dir: str, record: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def save(run_dir: str, record: dict, archive_path: str | None) -> None:
+    write_summary(run_dir, record)
+    if archive_path:
+        archive(run_dir, archive_path)
+
+
 def archive(run_dir: str, path: str) -> None:
     """The results as one file (checkpoints left out), rewritten after every piece so a cut-off call keeps them."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -237,10 +243,12 @@ def main(argv=None):
         raise UserError(f"unknown piece {unknown[0]!r}; the pieces: {', '.join(names)}")
     chosen = [q for q in everything if (not only or q.name in only) and q.name not in skip]
 
-    record_path = os.path.join(run_dir, "suite.json")
-    record = json.load(open(record_path)) if os.path.exists(record_path) else {"pieces": {}}
-    todo = [q for q in chosen if record["pieces"].get(q.name, {}).get("status") != "done"
-            and (args.retry_failed or not record["pieces"].get(q.name, {}).get("status", "").startswith("failed"))]
+    record = {"pieces": {}}
+    if os.path.exists(os.path.join(run_dir, "suite.json")):
+        with open(os.path.join(run_dir, "suite.json")) as f:
+            record = json.load(f)
+    status = lambda name: record["pieces"].get(name, {}).get("status", "")  # noqa: E731
+    todo = [q for q in chosen if status(q.name) != "done" and (args.retry_failed or not status(q.name).startswith("failed"))]
     needs = dict.fromkeys(n for q in todo for n in q.needs)
     gaps = [m for m in (missing(n, args) for n in needs) if m]
     if gaps:
@@ -257,7 +265,7 @@ def main(argv=None):
     print(f"{len(todo)} of {len(chosen)} pieces to run in {run_dir} ({device.describe()})", file=sys.stderr)
     failed = False
     for i, piece in enumerate(todo, 1):
-        if piece.after and record["pieces"].get(piece.after, {}).get("status") != "done":
+        if piece.after and status(piece.after) != "done":
             print(f"[{i}/{len(todo)}] {piece.name}: waits for {piece.after}", file=sys.stderr)
             continue
         left = args.deadline_s - (time.time() - start) if args.deadline_s else args.piece_timeout_s
@@ -273,13 +281,10 @@ def main(argv=None):
             failed = True
             with open(os.path.join(run_dir, piece.name, "log.txt")) as f:
                 print("".join(f.readlines()[-8:]), file=sys.stderr, end="")
-        write_summary(run_dir, record)
-        if args.archive:
-            archive(run_dir, args.archive)
-    write_summary(run_dir, record)
-    if args.archive:
-        archive(run_dir, args.archive)
-    print(open(os.path.join(run_dir, "summary.md")).read())
+        save(run_dir, record, args.archive)
+    save(run_dir, record, args.archive)  # also when no piece ran: the summary names the device and jax
+    with open(os.path.join(run_dir, "summary.md")) as f:
+        print(f.read())
     if failed:
         raise UserError(f"some pieces did not finish: see {run_dir}/summary.md and each piece's log.txt")
 

@@ -45,12 +45,13 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
         methods = bench["summary"][dataset]
         assert set(methods) == {"ar", "s3d"} | ({"hf-ar"} if name.endswith("bf16-xla") else set())
         assert all(m["identical"] == 1.0 and m["prompts"] == 1 for m in methods.values())
+        assert bench["device"].startswith("CPU") and methods["ar"]["speedup"] == 1.0
         s3d = methods["s3d"]
         assert s3d["verify_steps"] >= 1 and len(s3d["acceptance_by_depth"]) == 4
         assert s3d["speedup"] == pytest.approx(s3d["tokens_per_s"] / methods["ar"]["tokens_per_s"])
         assert [r["id"] for r in bench["runs"][dataset]["s3d"]] == [first]
         table = open(os.path.join(folder, name, "results.md")).read()
-        assert f"| {dataset} | s3d | 1 |" in table and bench["device"] in table
+        assert f"| {dataset} | ar | 1 |" in table and f"| {dataset} | s3d | 1 |" in table and bench["device"] in table
         assert all(os.path.getsize(os.path.join(folder, name, png)) > 1000 for png in ("acceptance.png", "speed.png"))
     assert bench["quant"] == "int8" and bench["settings"]["attention"] == bench["settings"]["matmul"] == "pallas"
     assert os.path.exists(os.path.join(folder, "train-s3d", "draft.npz"))
