@@ -6,7 +6,6 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 
 from s3djax import quant, registry
 from s3djax.built import Built, about_file, finetuned_target, target_from
@@ -107,6 +106,7 @@ def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.speculative import draft_vocab
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
     from s3djax.speculative.drafters.s3d import S3DDrafter
@@ -128,13 +128,11 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    if meta.get("vocab"):  # draft over its own vocabulary: the head's rows for those tokens, taken once
-        ids = jnp.asarray(meta["vocab"], jnp.int32)
-        draft = {**draft, "vocab": ids, "head": quant.rows(params.get("lm_head", params["embed"]), ids)}
+    draft = draft_vocab.attach(draft, meta, params)
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, opts.gamma), opts.gamma)
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}"
-                 + (f", vocabulary {len(meta['vocab'])}" if meta.get("vocab") else ""))
+                 + draft_vocab.about(meta))
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -73,9 +73,10 @@ class Decoder(nn.Module):
     def embed_tokens(self, tokens):
         return quant.take(self.embed, tokens)
 
-    def exit_logits(self, x):
-        """The final norm and LM head over a residual stream that left the stack early (exits, adapters)."""
-        return self.logits(self.final_norm(x))
+    def exit_logits(self, x, head=None):
+        """The final norm and LM head over a residual stream that left the stack early (exits, adapters);
+        `head`: some rows of the LM head instead (a draft vocabulary's)."""
+        return self.logits(self.final_norm(x)) if head is None else quant.head(self.final_norm(x), head)
 
     def logits(self, hidden):
         """LM-head logits in fp32."""

@@ -17,7 +17,7 @@ from s3djax.model import layer_key, with_layers
 from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
 from s3djax.methods import Options
-from s3djax.speculative import verify
+from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
@@ -74,6 +74,22 @@ def test_greedy_kangaroo_equals_ar_on_tiny_models(config, exit_layer, tree, eta)
             assert got.tokens == ar_runner(config, params).generate(prompt, 30).tokens, (name, prompt)
             accepted += sum(got.stats["accepted_per_step"])
     assert accepted > 5  # drafts were accepted, so commit paths of every length ran
+
+
+def test_a_draft_vocabulary_keeps_kangaroo_lossless():
+    # The adapter drafts over every other token: the target's odd tokens can never be drafted.
+    config, exit_layer, tree = LLAMA, 1, TreeSpec.spine(3, 2)
+    params, adapter = near_oracle(random_params(config, 1), config, exit_layer, 2)
+    adapter = draft_vocab.attach(adapter, {"vocab": list(range(0, config.vocab_size, 2))}, params)
+    spec, accepted = Runner(spec_decoder(config, exit_layer, tree), (params, adapter)), 0
+    for prompt in ([5], list(range(40, 57))):
+        want = ar_runner(config, params).generate(prompt, 30).tokens
+        got = spec.generate(prompt, 30)
+        assert got.tokens == want and any(t % 2 for t in want), prompt
+        accepted += sum(got.stats["accepted_per_step"])
+    assert accepted > 5
+    _, _, _, nodes, valid, _ = drafted(config, params, adapter, exit_layer, tree, [7, 1, 8, 2, 8])
+    assert bool(valid.all()) and not np.any(np.asarray(nodes) % 2)  # eta = 0: all drafted, all from the vocabulary
 
 
 def drafted(config, params, adapter, exit_layer, tree, prompt):

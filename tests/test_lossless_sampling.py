@@ -16,9 +16,11 @@ from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative import tree as trees
 from s3djax.speculative import verify as verify_module
 from s3djax.speculative.draft_params import init_draft
+from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
@@ -118,6 +120,14 @@ def test_autoregressive_drafting_samples_the_target_distribution(params):
     drafter = SelfSpecDrafter(SMALL, plan, trees.TreeSpec.spine(3, 2), AdaptiveThreshold(initial=0.2))
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
     assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, T1)) > SIGNIFICANCE
+
+
+def test_a_kangaroo_draft_vocabulary_samples_the_target_distribution(params):
+    # Chain drafting over half the vocabulary: the draft's q is zero outside it.
+    adapter = draft_vocab.attach(init_adapter(params, SMALL, 1), {"vocab": list(range(0, SMALL.vocab_size, 2))}, params)
+    drafter = KangarooDrafter(SMALL, trees.TreeSpec.spine(3, 2), exit_layer=1, eta=0.0)
+    decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
+    assert chi_square_p(sampled_joint(params, decoder, adapter), exact_joint(params, T1)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):

@@ -20,7 +20,7 @@ from s3djax import cache as kv
 from s3djax.cache import PrefixTreeMask
 from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
-from s3djax.speculative import verify
+from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -34,7 +34,8 @@ def check_spine(tree: TreeSpec, method: str) -> TreeSpec:
 class ChainDrafter(Drafter):
     """Subclasses are frozen dataclasses with `config` and `tree`, and define:
     - `block(params, draft, cache, state, tokens [B, T], positions [B, T], slot [B], mask [B, T, S])
-      -> (logits of the block's first token [B, V], cache, state)`;
+      -> (logits of the block's first token [B, V], cache, state)`, V being the draft vocabulary's
+      size where the draft has one;
     - `confident(state, probs [B, V]) -> [B] bool`: whether to draft the next depth from probs.
     `process_last_block`: run the deepest block too (its K/V or exit states are needed later).
     They may override `score` (Kangaroo verifies from its exit states).
@@ -62,14 +63,15 @@ class ChainDrafter(Drafter):
             """Candidates for depth d + 1 from the chain node at depth d."""
             if sampling.greedy:
                 probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-                candidates, ok = jax.lax.top_k(logits, k)[1], jnp.ones((b, k), bool)
+                candidates, ok = draft_vocab.token_ids(draft, jax.lax.top_k(logits, k)[1]), jnp.ones((b, k), bool)
             else:
                 logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)
                 probs = jnp.exp(logq)
                 # Gumbel-top-k: k draws from q without replacement, in the order verification tries them.
                 scores, candidates = jax.lax.top_k(logq + jax.random.gumbel(keys[d], logq.shape), k)
-                ok = jnp.isfinite(scores)
-                child_probs = child_probs.at[:, jnp.where(d == 0, 0, 1 + (d - 1) * k)].set(probs)
+                candidates, ok = draft_vocab.token_ids(draft, candidates), jnp.isfinite(scores)
+                child_probs = child_probs.at[:, jnp.where(d == 0, 0, 1 + (d - 1) * k)].set(
+                    draft_vocab.full_probs(draft, probs, self.config.vocab_size))
             going = going & self.confident(state, probs)
             nodes = jax.lax.dynamic_update_slice(nodes, candidates.astype(jnp.int32), (0, d * k))
             valid = jax.lax.dynamic_update_slice(valid, ok & going[:, None], (0, d * k))

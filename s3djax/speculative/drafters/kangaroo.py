@@ -39,7 +39,7 @@ from s3djax.layers import Attention, RMSNorm, rope_tables
 from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import verify
+from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.chain import ChainDrafter, check_spine
 from s3djax.speculative.tree import TreeSpec
 
@@ -100,18 +100,20 @@ def nest_adapter(adapter: dict) -> dict:
 def adapter_hidden(adapter, x, layer_cache, positions, slots, mask, *, config: ModelConfig):
     """Exit states [B, T, D] through the adapter: (normed states ready for the final norm, layer cache)."""
     x = x.astype(adapter["attn_norm"]["scale"].dtype)
-    return Adapter(config).apply({"params": adapter}, x, layer_cache, positions, slots, mask)
+    weights = {k: adapter[k] for k in ("attn_norm", "attn", "out_norm")}  # not a draft vocabulary's ids and rows
+    return Adapter(config).apply({"params": weights}, x, layer_cache, positions, slots, mask)
 
 
-def draft_logits(params, hidden, config: ModelConfig):
-    """The shared final norm and LM head over adapter outputs."""
+def draft_logits(params, hidden, config: ModelConfig, head=None):
+    """The shared final norm and LM head over adapter outputs (`head`: a draft vocabulary's rows of it)."""
     hidden = hidden.astype(params["final_norm"]["scale"].dtype)
-    return Decoder(config).apply({"params": params}, hidden, method="exit_logits")
+    return Decoder(config).apply({"params": params}, hidden, head, method="exit_logits")
 
 
 @dataclasses.dataclass(frozen=True)
 class KangarooDrafter(ChainDrafter):
-    """Draft params: the `Adapter`'s {"attn_norm", "attn", "out_norm"}.
+    """Draft params: the `Adapter`'s {"attn_norm", "attn", "out_norm"}, and a draft vocabulary's
+    {"vocab", "head"} if the adapter file has one (`train.draft_vocab`).
 
     State: {"exit": [B, N, D] exit states by tree node (root = 0), "adapter": the adapter's one-layer
     cache, "length": [B] the committed length the current draft started from}.
@@ -149,7 +151,8 @@ class KangarooDrafter(ChainDrafter):
         exits = kv.put_rows(state["exit"], x, slot - state["length"])
         # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
-        return draft_logits(params, hidden[:, 0], self.config), cache, {**state, "exit": exits, "adapter": layer}
+        return (draft_logits(params, hidden[:, 0], self.config, draft.get("head")), cache,
+                {**state, "exit": exits, "adapter": layer})
 
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) > self.eta
@@ -208,10 +211,10 @@ def build_kangaroo(m, ar, opts, dtype: str):
                             "an adapter serves only its own exit layer")
         check_exit_layer(exit_layer, config.num_layers)
         adapter = check_adapter(adapter, config, path)
-    adapter = jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter)
+    adapter = draft_vocab.attach(jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter), meta, m.params)
     if not 0 <= opts.eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {opts.eta}")
     tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 6), "kangaroo")
     drafter = KangarooDrafter(config, tree, exit_layer, opts.eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {opts.eta}")
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {opts.eta}{draft_vocab.about(meta)}")

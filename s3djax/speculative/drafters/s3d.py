@@ -1,8 +1,6 @@
 """S3D: one forward of the skip-plan model over [last token, <M> x (gamma-1)] drafts gamma positions.
 
-A draft with a vocabulary (`draft["vocab"]`, token ids, and `draft["head"]`, their rows of the LM
-head) drafts over those tokens only: its head reads a fraction of the full one. Lossless all the
-same, because verification keeps the full head; a token outside the vocabulary is just never drafted.
+A draft with its own vocabulary (`s3djax.speculative.draft_vocab`) drafts over those tokens only.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -44,7 +43,7 @@ class S3DDrafter(Drafter):
         mask = kv.causal(length, self.gamma)
         hidden, cache = decoder.apply(variables, None, positions, cache, length, mask,
                                       embeds=jnp.concatenate([first, masks], axis=1), lora=draft.get("lora"))
-        if "vocab" in draft:
+        if draft_vocab.has_vocab(draft):
             return quant.head(hidden, draft["head"]), cache
         return decoder.apply(variables, hidden, method="logits"), cache
 
@@ -53,17 +52,15 @@ class S3DDrafter(Drafter):
         # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
         at = (slice(None), self.tree.node_depths[1:] - 1, self.tree.node_ranks[1:])
         k = self.tree.max_rank + 1
-        token_id = (lambda i: jnp.take(draft["vocab"], i)) if "vocab" in draft else (lambda i: i)
         if sampling.greedy:
             best = jnp.argmax(logits, axis=-1)[..., None] if k == 1 else jax.lax.top_k(logits, k)[1]
-            nodes = token_id(best[at]).astype(jnp.int32)
+            nodes = draft_vocab.token_ids(draft, best[at]).astype(jnp.int32)
             return nodes, jnp.ones(nodes.shape, bool), None, cache, state
         logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)             # [B, gamma, V_draft]
         # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
         # without replacement (Kool et al. 2019), the order sampled verification tries them in.
         scores, candidates = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
-        nodes, valid = token_id(candidates[at]).astype(jnp.int32), jnp.isfinite(scores[at])  # q(x) = 0 is no draw
+        nodes, valid = draft_vocab.token_ids(draft, candidates[at]).astype(jnp.int32), jnp.isfinite(scores[at])  # q(x) = 0 is no draw
         q = jnp.exp(logq)[:, np.minimum(self.tree.node_depths, self.gamma - 1)]         # node -> q of depth + 1
-        if "vocab" in draft:  # q over the whole vocabulary, zero outside the draft's
-            q = jnp.zeros(q.shape[:-1] + (self.config.vocab_size,), q.dtype).at[..., draft["vocab"]].set(q)
+        q = draft_vocab.full_probs(draft, q, self.config.vocab_size)
         return nodes, valid, q, cache, state

@@ -1,0 +1,40 @@
+"""A draft's own vocabulary: token ids in the draft file (`train.draft_vocab`) and their rows of the LM head.
+
+The draft scores only those rows, which for SmolLM2's tied 49k-row head is most of a shallow draft's
+work. Lossless all the same: verification keeps the full head, and a token outside the vocabulary is
+simply never drafted. The draft params then carry "vocab" [V_draft] int32 and "head" [V_draft, D].
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from s3djax import quant
+
+
+def attach(draft: dict, meta: dict, params) -> dict:
+    """The draft with its vocabulary's ids and head rows (taken once, at build time), if its file has one."""
+    if not meta.get("vocab"):
+        return draft
+    ids = jnp.asarray(meta["vocab"], jnp.int32)
+    return {**draft, "vocab": ids, "head": quant.rows(params.get("lm_head", params["embed"]), ids)}
+
+
+def about(meta: dict) -> str:
+    return f", vocabulary {len(meta['vocab'])}" if meta.get("vocab") else ""
+
+
+def token_ids(draft, index):
+    """Token ids of indices into the draft's logits."""
+    return jnp.take(draft["vocab"], index) if has_vocab(draft) else index
+
+
+def full_probs(draft, q, vocab_size: int):
+    """q [..., V_draft] spread over the whole vocabulary, zero outside the draft's."""
+    if not has_vocab(draft):
+        return q
+    return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., draft["vocab"]].set(q)
+
+
+def has_vocab(draft) -> bool:
+    return isinstance(draft, dict) and "vocab" in draft
