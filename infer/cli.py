@@ -49,7 +49,8 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "
                           "candidates at each depth), or a name in configs/trees (s3d)")
         self.add_argument("--exit-layer", type=int, help="kangaroo: the early-exit layer (default: the adapter's)")
-        self.add_argument("--eta", type=float, default=0.6, help="kangaroo: stop drafting at top-1 confidence <= eta")
+        self.add_argument("--eta", type=float, help="kangaroo: stop drafting at top-1 confidence <= eta (default: "
+                          "the adapter's measured choice, else the paper's 0.6)")
         self.add_argument("--thresholds", help="s2d: per-exit confidence thresholds a,b,c (default: the draft's "
                           "for this target)")
         self.add_argument("--target-from", help="s2d: verify with this full-mode s3d draft's fine-tuned layers")

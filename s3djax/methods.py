@@ -33,7 +33,7 @@ class Options:
     draft_path: str | None = None   # None: the model's shipped artifact for the method; "none": untrained
     max_draft: int | None = None    # autoregressive drafters: the deepest draft (default per method)
     exit_layer: int | None = None   # kangaroo
-    eta: float = 0.6                # kangaroo: stop drafting at top-1 confidence <= eta
+    eta: float | None = None        # kangaroo: stop drafting at top-1 confidence <= eta (None: the adapter's)
     thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
 

@@ -16,13 +16,14 @@ import os
 import jax
 import jax.numpy as jnp
 
-from infer.cli import Parser, run
+from infer.cli import run
 from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_exit_layer, deep_plan, default_exit_layer,
                                            draft_logits, init_adapter, shallow_plan)
 from train.config import TrainConfig
+from train import loop
 from train.loop import train
 from train.objectives import sample_anchors
 
@@ -100,13 +101,7 @@ def train_adapter(cfg: TrainConfig, **kwargs) -> dict:
 
 
 def main(argv=None):
-    p = Parser(prog="python -m train.kangaroo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a YAML file of settings (see configs/train/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file's")
-    args = p.parse_args(argv)
-    cfg = TrainConfig.load(args.config, args.overrides)
-    out = train_adapter(cfg)["path"]
-    print(f"trained {cfg.steps} steps; adapter -> {out} (python -m infer.generate --method kangaroo --draft {out})")
+    loop.main("kangaroo", __doc__, KangarooTask.create, "kangaroo", argv)
 
 
 if __name__ == "__main__":

@@ -257,15 +257,23 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     return {"records": metrics.records, "trainable": trained, "path": path}
 
 
-def main(module: str, doc: str, make_task, method: str, argv=None) -> None:
+def parser(module: str, doc: str):
     """Every training module's command line: `python -m train.MODULE --config FILE [key=value ...]`."""
     from infer.cli import Parser
 
     p = Parser(prog=f"python -m train.{module}", description=doc.split("\n\n")[0])
     p.add_argument("--config", help="a YAML file of settings (see configs/train/)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file's")
-    args = p.parse_args(argv)
+    return p
+
+
+def train_from_args(args, run_training, method: str) -> None:
+    """Load the config and overrides, run `run_training(cfg)` and say where the artifact went."""
     cfg = TrainConfig.load(args.config, args.overrides)
-    out = train(cfg, make_task)["path"]
+    out = run_training(cfg)["path"]
     print(f"trained {min(cfg.steps, cfg.stop_at or cfg.steps)} steps; artifact -> {out} "
           f"(python -m infer.generate --method {method} --draft {out})")
+
+
+def main(module: str, doc: str, make_task, method: str, argv=None) -> None:
+    train_from_args(parser(module, doc).parse_args(argv), lambda cfg: train(cfg, make_task), method)

@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.cli import Parser, run
+from infer.cli import run
 from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder, forward_sequence
 from s3djax.speculative.drafters.s2d import run_segment
 from s3djax.speculative.drafters.s2d_artifact import ARTIFACT_KIND, init_lora, parse_exits
 from train.config import TrainConfig
+from train import loop
 from train.loop import train
 from train.objectives import _cross_entropy, sample_anchors
 
@@ -222,9 +223,7 @@ def write_report(path: str, draft_path: str, results: dict, chosen: dict, args) 
 
 
 def main(argv=None):
-    p = Parser(prog="python -m train.s2d", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="a YAML file of settings (see configs/train/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="settings that override the file's")
+    p = loop.parser("s2d", __doc__)
     p.add_argument("--sweep", metavar="DRAFT", help="sweep the exit thresholds of this trained draft instead")
     p.add_argument("--target-from", help="sweep: also the full-mode S3D target of this draft file")
     p.add_argument("--prompts", type=int, default=3)
@@ -242,9 +241,7 @@ def main(argv=None):
             write_report(args.report, args.sweep, results, chosen, args)
         print(f"thresholds per target -> {args.sweep}: {chosen}")
         return
-    cfg = TrainConfig.load(args.config, args.overrides)
-    out = train_nested(cfg)["path"]
-    print(f"trained {cfg.steps} steps; nested draft -> {out} (python -m infer.generate --method s2d --draft {out})")
+    loop.train_from_args(args, train_nested, "s2d")
 
 
 if __name__ == "__main__":

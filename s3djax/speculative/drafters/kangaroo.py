@@ -212,9 +212,11 @@ def build_kangaroo(m, ar, opts, dtype: str):
         check_exit_layer(exit_layer, config.num_layers)
         adapter = check_adapter(adapter, config, path)
     adapter = draft_vocab.attach(jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter), meta, m.params)
-    if not 0 <= opts.eta <= 1:
-        raise UserError(f"--eta must be in [0, 1], got {opts.eta}")
+    # The adapter file may carry the eta its sweep measured fastest; the paper's 0.6 otherwise.
+    eta = opts.eta if opts.eta is not None else meta.get("eta", 0.6)
+    if not 0 <= eta <= 1:
+        raise UserError(f"--eta must be in [0, 1], got {eta}")
     tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 6), "kangaroo")
-    drafter = KangarooDrafter(config, tree, exit_layer, opts.eta)
+    drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {opts.eta}{draft_vocab.about(meta)}")
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}{draft_vocab.about(meta)}")
