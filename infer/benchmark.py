@@ -281,7 +281,7 @@ def markdown(record: dict) -> str:
              f"- device: {record['device']}",
              f"- date: {record['date']}; commit {record['commit']}",
              f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
-             f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree']}",
+             f"weights {record['quant']}, attention {s['attention']}; s3d: tree {s['tree']}",
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "

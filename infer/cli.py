@@ -43,7 +43,8 @@ class Parser(argparse.ArgumentParser):
                     "(s3d's bare mask token, self-spec's default plan)")
         self.add_argument("--draft", "--skip-plan", dest="draft", help=artifact + (
             "; with several methods, METHOD=PATH pairs separated by commas" if several else ""))
-        self.add_argument("--gamma", type=int, default=4, help="positions drafted per step (s3d)")
+        self.add_argument("--gamma", type=int, help="positions drafted per step (s3d; default: a named tree's "
+                          "depth, else the platform's measured fastest: 1 on a CPU, the paper's 4 elsewhere)")
         self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo (6) "
                           "and s2d (6)")
         self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "

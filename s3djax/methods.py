@@ -19,6 +19,19 @@ from s3djax.skip_plan import SkipPlan
 METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 
 
+# S3D's chain depth measured fastest per platform (benchmarks/results/s3d-gamma-cpu-2026-11-23.md: on
+# the 2-core CPU gamma 1 ran at 0.71x ar, 2-4 at 0.51-0.53x). No GPU has measured it: the paper's 4.
+FASTEST_GAMMA = {"cpu": 1}
+PAPER_GAMMA = 4
+
+
+def default_gamma(tree: str) -> int:
+    """gamma when none is given: a named tree's own depth, else the platform's measured fastest."""
+    from s3djax.speculative import tree as trees
+
+    return trees.named_depth(tree) or FASTEST_GAMMA.get(jax.default_backend(), PAPER_GAMMA)
+
+
 def default_draft_plan(num_layers: int) -> SkipPlan:
     """S3D's default: skip about half the layers symmetrically around the middle (8-21 of 30)."""
     return SkipPlan.symmetric_middle(num_layers, num_layers // 2 - 1)
@@ -28,7 +41,7 @@ def default_draft_plan(num_layers: int) -> SkipPlan:
 class Options:
     """Every method's CLI-level choices; each method reads its own."""
     skip: str = ""                  # ar: the model's skip plan; s3d: the draft's
-    gamma: int = 4                  # s3d: positions drafted per step
+    gamma: int | None = None        # s3d: positions drafted per step (None: `default_gamma`)
     tree: str = "chain"
     draft_path: str | None = None   # None: the model's shipped artifact for the method; "none": untrained
     max_draft: int | None = None    # autoregressive drafters: the deepest draft (default per method)
@@ -112,8 +125,9 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
-    if opts.gamma < 1:
-        raise UserError(f"--gamma must be at least 1, got {opts.gamma}")
+    gamma = default_gamma(opts.tree) if opts.gamma is None else opts.gamma
+    if gamma < 1:
+        raise UserError(f"--gamma must be at least 1, got {gamma}")
     path = opts.draft_path
     draft, meta = load_draft(path, m.config, DTYPES[dtype]) if path not in (None, "none") else (None, {})
     plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
@@ -129,9 +143,9 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
-    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, opts.gamma), opts.gamma)
+    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
-                 f"draft {about_file(path, meta)}, skip {plan.spec()}"
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
                  + draft_vocab.about(meta))
 
 

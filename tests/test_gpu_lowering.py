@@ -62,7 +62,7 @@ def lower_steps(decoder, params) -> tuple[str, str]:
 
 @pytest.mark.parametrize("method", methods.METHODS)
 def test_the_start_and_decode_steps_lower_for_cuda(smollm2, method):
-    built = methods.build(method, smollm2, max_cache_len=2048)
+    built = methods.build(method, smollm2, max_cache_len=2048, gamma=methods.PAPER_GAMMA)  # a GPU's default
     assert "stablehlo.while" in lower_steps(built.decoder, built.params)[1]  # one loop, on device
 
 
@@ -113,7 +113,7 @@ def abstract_build(name: str, method: str, quantization: str | None):
         if quantization:
             params = quant.apply(params, quantization, jnp.bfloat16, "pallas")
         built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=2048,
-                              dtype="bfloat16", draft_path="none")
+                              dtype="bfloat16", draft_path="none", gamma=methods.PAPER_GAMMA)
         decoders.append(built.decoder)
         return built.params
 

@@ -135,6 +135,12 @@ def named_trees() -> dict[str, list]:
     return out
 
 
+def named_depth(name: str) -> int | None:
+    """A tree in configs/trees/'s depth; None for `chain` and `topK`, whose depth is gamma."""
+    paths = named_trees().get(name)
+    return TreeSpec.from_paths(paths).depth if paths else None
+
+
 def resolve(name: str, gamma: int) -> TreeSpec:
     """`chain` is a chain of gamma nodes, `topK` (top2, top3, ...) a gamma-deep spine of width K;
     other names come from configs/trees/."""
