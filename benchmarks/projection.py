@@ -49,6 +49,8 @@ def main():
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"{args.acceptance} has no s3d result on {args.dataset} ({e})") from None
     gamma = measured["settings"]["gamma"]
+    if gamma is None:
+        raise UserError(f"{args.acceptance} does not record the gamma it ran with; rerun infer.benchmark")
     if measured["settings"]["tree"] != "chain":
         raise UserError("the projection times a chain verify step; pass a results.json measured with --tree chain")
     rows = []

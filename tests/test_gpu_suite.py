@@ -12,6 +12,7 @@ import pytest
 from benchmarks import gpu_suite
 from benchmarks.gpu_suite import Piece
 from s3djax.errors import UserError
+from s3djax.methods import default_gamma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +48,9 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
         assert all(m["identical"] == 1.0 and m["prompts"] == 1 for m in methods.values())
         assert bench["device"].startswith("CPU") and methods["ar"]["speedup"] == 1.0
         s3d = methods["s3d"]
-        assert s3d["verify_steps"] >= 1 and len(s3d["acceptance_by_depth"]) == 4
+        # The gamma it ran with is recorded (the projection reads it): unset, the CPU's measured fastest.
+        assert bench["settings"]["gamma"] == default_gamma("chain") == len(s3d["acceptance_by_depth"])
+        assert s3d["verify_steps"] >= 1
         assert s3d["speedup"] == pytest.approx(s3d["tokens_per_s"] / methods["ar"]["tokens_per_s"])
         assert [r["id"] for r in bench["runs"][dataset]["s3d"]] == [first]
         table = open(os.path.join(folder, name, "results.md")).read()
