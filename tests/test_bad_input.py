@@ -82,6 +82,22 @@ def test_benchmark_refuses_bad_input_before_loading(args, message, tmp_path, cap
     assert message in refused(benchmark.main, ["--limit", "1", "--out", str(tmp_path), *args], capsys)
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"gamma": None, "tree": "chain"}, "does not record the gamma it ran with"),
+    ({"gamma": 4, "tree": "tree-16"}, "times a chain verify step"),
+])
+def test_projection_refuses_a_results_file_it_cannot_use(settings, message, tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from benchmarks import projection
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"settings": settings, "summary": {"mt-bench": {"s3d": {"tau": 1.5}}}}))
+    monkeypatch.setattr(sys, "argv", ["projection", "--acceptance", str(path), "--out", str(tmp_path)])
+    assert message in refused(lambda _: projection.main(), None, capsys)
+
+
 def test_quantize_refuses_an_output_it_cannot_create(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "cannot create --out" in refused(quantize.main, ["--out", str(tmp_path / "file" / "int8")], capsys)
