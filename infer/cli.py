@@ -48,7 +48,8 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo (6) "
                           "and s2d (6)")
         self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "
-                          "candidates at each depth), or a name in configs/trees (s3d)")
+                          "candidates at each depth), dynamic-N (s3d: the N likeliest paths by the draft's joint "
+                          "probabilities, chosen every step), or a name in configs/trees (s3d)")
         self.add_argument("--exit-layer", type=int, help="kangaroo: the early-exit layer (default: the adapter's)")
         self.add_argument("--eta", type=float, help="kangaroo: stop drafting at top-1 confidence <= eta (default: "
                           "the adapter's measured choice, else the paper's 0.6)")

@@ -26,9 +26,12 @@ PAPER_GAMMA = 4
 
 
 def default_gamma(tree: str) -> int:
-    """gamma when none is given: a named tree's own depth, else the platform's measured fastest."""
+    """gamma when none is given: a named tree's own depth, a dynamic tree the paper's (the depth of
+    the static trees it stands in for), else the platform's measured fastest."""
     from s3djax.speculative import tree as trees
 
+    if tree.startswith("dynamic-"):
+        return PAPER_GAMMA
     return trees.named_depth(tree) or FASTEST_GAMMA.get(jax.default_backend(), PAPER_GAMMA)
 
 

@@ -41,5 +41,5 @@ def test_bad_input_in_a_real_process_is_exactly_one_line_and_exit_code_2():
     # whole process, stderr captured as a log would: no bar frame, no warning, no traceback.
     r = generate("--prompt", "hello", "--method", "s3d", "--tree", "no-such-tree")
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "error: unknown tree 'no-such-tree'; known trees: chain, topK (top2, top3, ...), tree-16, tree-32, tree-64, "
-        "tree-8"], r.stderr
+        "error: unknown tree 'no-such-tree'; known trees: chain, topK (top2, top3, ...), dynamic-N (dynamic-16, ...), "
+        "tree-16, tree-32, tree-64, tree-8"], r.stderr

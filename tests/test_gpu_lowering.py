@@ -102,7 +102,7 @@ def test_the_default_backend_follows_the_platform_lowered_for():
     assert triton_kernels(traced.lower(lowering_platforms=("cpu",)).as_text()) == set()  # the interpreter
 
 
-def abstract_build(name: str, method: str, quantization: str | None):
+def abstract_build(name: str, method: str, quantization: str | None, tree: str = "chain"):
     """(decoder, abstract bf16 params) of `method` on a registry model's shapes, attending with the
     Pallas kernel and, quantized, multiplying with the Pallas int8 matmul."""
     config = dataclasses.replace(registry.entries()[name].config(), attention="pallas")
@@ -113,7 +113,7 @@ def abstract_build(name: str, method: str, quantization: str | None):
         if quantization:
             params = quant.apply(params, quantization, jnp.bfloat16, "pallas")
         built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=2048,
-                              dtype="bfloat16", draft_path="none", gamma=methods.PAPER_GAMMA)
+                              dtype="bfloat16", draft_path="none", gamma=methods.PAPER_GAMMA, tree=tree)
         decoders.append(built.decoder)
         return built.params
 
@@ -121,11 +121,12 @@ def abstract_build(name: str, method: str, quantization: str | None):
     return decoders[0], params
 
 
-@pytest.mark.parametrize("name, method, quantization", [
-    ("smollm2-135m", "ar", None), ("smollm2-135m", "s3d", "int8"),
-    ("phi-3-mini-4k", "ar", "int8"), ("phi-3-mini-4k", "s3d", None)])
-def test_steps_with_the_pallas_kernels_lower_for_cuda_with_triton(name, method, quantization):
-    start, decode = lower_steps(*abstract_build(name, method, quantization))
+@pytest.mark.parametrize("name, method, quantization, tree", [
+    ("smollm2-135m", "ar", None, "chain"), ("smollm2-135m", "s3d", "int8", "chain"),
+    ("smollm2-135m", "s3d", None, "dynamic-16"),  # a tree mask that changes every step
+    ("phi-3-mini-4k", "ar", "int8", "chain"), ("phi-3-mini-4k", "s3d", None, "chain")])
+def test_steps_with_the_pallas_kernels_lower_for_cuda_with_triton(name, method, quantization, tree):
+    start, decode = lower_steps(*abstract_build(name, method, quantization, tree))
     matmul = {"int8_matmul"} if quantization else set()
     assert triton_kernels(decode) == {"tree_attention"} | matmul
     assert triton_kernels(start) == matmul  # the prefill attends under a dense causal mask, through XLA

@@ -115,8 +115,9 @@ def test_verification_from_exit_states_equals_the_full_forward(config, exit_laye
     drafter, state, cache, nodes, valid, dstate = drafted(config, params, adapter, exit_layer, tree, [7, 1, 8, 2, 8])
     assert bool(valid.all())  # eta = 0: every node was drafted
     length = state["length"]
-    ours, ours_cache = jax.jit(lambda *a: drafter.score(*a, tree))(params, cache, length, state["last"], nodes, dstate)
-    full, full_cache = jax.jit(lambda *a: verify.score(*a, config=config, tree=tree))(
+    ours, ours_cache = jax.jit(lambda *a: drafter.score(*a, tree.arrays(1)))(params, cache, length, state["last"], nodes,
+                                                                             dstate)
+    full, full_cache = jax.jit(lambda *a: verify.score(*a, config=config, tree=tree.arrays(1)))(
         params, state["cache"], length, state["last"], nodes)
     np.testing.assert_allclose(ours, full, rtol=1e-4, atol=1e-4)
     # Every layer's K/V of every node is the full forward's: the shallow ones were written while drafting.

@@ -98,8 +98,8 @@ def test_the_target_itself_passes(params):
     assert chi_square_p(sampled_joint(params, decoder, None), exact) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8")],
-                         ids=["t1-chain", "t1-tree16", "shaped-tree8"])
+@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8"), (SHAPED, "dynamic-8")],
+                         ids=["t1-chain", "t1-tree16", "shaped-tree8", "shaped-dynamic8"])
 def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))

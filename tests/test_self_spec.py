@@ -103,7 +103,7 @@ def test_verification_scores_only_as_deep_as_was_drafted(drafted, scored):
     assert ran == [scored]
     # What it accepts, emits and commits is the whole chain's verification.
     full_cache, full_accepted, full_emitted, _ = verify.verify(params, kv.init_cache(config, 1, 16), length, last,
-                                                               nodes, valid, config=config, tree=tree)
+                                                               nodes, valid, config=config, tree=tree.arrays(1))
     a = int(accepted[0])
     assert a == int(full_accepted[0]) and emitted[0, :a + 1].tolist() == full_emitted[0, :a + 1].tolist()
     end = 4 + a + 1

@@ -62,9 +62,10 @@ def test_lossless_past_several_key_blocks(cache):
     assert spec.generate(prompt, 60).tokens == ar_runner(PHI3, params, cache=cache).generate(prompt, 60).tokens
 
 
-COMBOS = [  # (tree name, gamma, skip spec): every named tree, gamma 1/2/4/6, several plans
+COMBOS = [  # (tree name, gamma, skip spec): every named tree, dynamic trees, gamma 1/2/3/4/6, several plans
     ("chain", 1, "1-2"), ("chain", 2, "1"), ("chain", 4, "1-2"), ("chain", 6, "2.attn,1.mlp"),
     ("tree-8", 4, "1-2"), ("tree-16", 4, ""), ("tree-32", 6, "1"), ("tree-64", 4, "1-2"),
+    ("dynamic-8", 4, "1-2"), ("dynamic-16", 3, "1"),
 ]
 
 

@@ -55,7 +55,7 @@ def test_resolve_errors():
 
 def test_tree_mask_sees_prefix_and_ancestors_only():
     length, s = 5, 16
-    mask = np.asarray(tree_mask(jnp.asarray([length]), SMALL).dense(s))[0]
+    mask = np.asarray(tree_mask(jnp.asarray([length]), SMALL.arrays(1)).dense(s))[0]
     for i in range(SMALL.num_nodes):
         expected = [slot < length or (slot - length < SMALL.num_nodes and SMALL.ancestors[i, slot - length])
                     for slot in range(s)]
@@ -66,10 +66,10 @@ def test_greedy_accept_follows_the_longest_matching_path():
     # Target argmax per node; the accepted path is root -> 2 -> 5 (node 1 mismatches).
     tokens = jnp.asarray([[10, 11, 12, 13, 14, 15, 16]])
     target = jnp.asarray([[12, 99, 15, 0, 0, 77, 0]])
-    acc = greedy_accept(tokens, target, jnp.ones((1, 7), bool), SMALL)
+    acc = greedy_accept(tokens, target, jnp.ones((1, 7), bool), SMALL.arrays(1))
     assert np.flatnonzero(np.asarray(acc)[0]).tolist() == [0, 2, 5]
     invalid = jnp.ones((1, 7), bool).at[0, 5].set(False)  # an unproposed node is never accepted
-    assert np.flatnonzero(np.asarray(greedy_accept(tokens, target, invalid, SMALL))[0]).tolist() == [0, 2]
+    assert np.flatnonzero(np.asarray(greedy_accept(tokens, target, invalid, SMALL.arrays(1)))[0]).tolist() == [0, 2]
 
 
 def test_commit_moves_the_accepted_path_into_contiguous_slots():
@@ -82,3 +82,58 @@ def test_commit_moves_the_accepted_path_into_contiguous_slots():
     assert k[:length].tolist() == [0, 1, 2, 3]              # the committed prefix is untouched
     assert k[length:length + 4].tolist() == [4, 5, 7, 10]   # root + accepted nodes, now contiguous
     assert np.asarray(out[0]["v"])[0, length + 3, 0, 0] == 110
+
+
+def chosen_paths(arrays, ranks, row=0) -> list[tuple[int, ...]]:
+    """A dynamic tree's nodes as rank paths, in node order."""
+    parents, ranks = np.asarray(arrays.parents[row]), np.asarray(ranks[row])
+    paths = [()]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + (int(ranks[i - 1]),))
+    return paths[1:]
+
+
+@pytest.mark.parametrize("size", [8, 16])
+def test_a_dynamic_tree_under_the_static_trees_estimate_is_that_static_tree(size):
+    # configs/trees/tree-N are the N best paths when the rank-r candidate is right 0.6 * 0.4^r of the time.
+    dynamic = trees.resolve(f"dynamic-{size}", 4)
+    k = dynamic.max_rank + 1
+    arrays, depth, rank = dynamic.layout(jnp.log(jnp.broadcast_to(0.6 * 0.4 ** jnp.arange(k), (1, 4, k))))
+    static = trees.resolve(f"tree-{size}", 4)
+    assert chosen_paths(arrays, rank) == list(static.paths)
+    assert np.asarray(depth[0]).tolist() == (static.node_depths[1:] - 1).tolist()
+    for got, want in zip(arrays, static.arrays(1)):
+        np.testing.assert_array_equal(got[..., :want.shape[-1]], want)
+
+
+def test_a_dynamic_tree_is_the_best_closed_set_and_verification_reads_it_as_a_static_one():
+    rng = np.random.default_rng(0)
+    dynamic = trees.DynamicTree(12, 3, width=4)
+    logq = np.sort(np.log(rng.dirichlet(np.ones(40) * 0.3, size=(3, 3))), axis=-1)[..., ::-1][..., :4]
+    logq[1, 1, 2:] = -np.inf  # sampling's q can be 0 (top-k, top-p): such nodes still make a tree
+    arrays, depth, rank = dynamic.layout(jnp.asarray(logq, jnp.float32))
+    for row in range(3):
+        paths = chosen_paths(arrays, rank, row)
+        spec = TreeSpec.from_paths(paths)  # raises unless every node's parent was chosen before it
+        assert paths == list(spec.paths) and len(paths) == 12
+        spec.check_sampling()  # children hold ranks 0..m-1
+        static = spec.arrays(1)
+        for name, got, want in zip(arrays._fields, arrays, static):
+            got = np.asarray(got[row:row + 1])
+            np.testing.assert_array_equal(got[..., :want.shape[-1]], want)
+            # Past a shallower or narrower tree: paths repeat the node, children are -1.
+            pad = np.arange(13)[None, :, None] if name == "paths" else -1
+            assert (got[..., want.shape[-1]:] == pad).all()
+        np.testing.assert_array_equal(arrays.ancestors[row], spec.ancestors)
+        # No candidate left out is likelier than one chosen (the chosen set is the best that is a tree).
+        joint = {p: sum(logq[row, d, r] for d, r in enumerate(p)) for p in dynamic.candidates.paths}
+        rest = [v for p, v in joint.items() if p not in set(paths)]
+        assert min(joint[p] for p in paths) >= max(rest)
+
+
+def test_dynamic_tree_names():
+    assert trees.resolve("dynamic-16", 4).num_nodes == 17 and trees.resolve("dynamic-16", 4).depth == 4
+    with pytest.raises(UserError, match="at least dynamic-4"):
+        trees.resolve("dynamic-3", 4)
+    with pytest.raises(UserError, match="raise --gamma"):  # at gamma 1 there are only 8 candidates
+        trees.resolve("dynamic-8", 1)

@@ -58,7 +58,6 @@ class SpecDecoder:
         target, draft = params
         tree, drafter, s_max = self.drafter.tree, self.drafter, self.ar.max_cache_len
         width, sampling = tree.depth + 1, self.ar.sampling
-        node_depths = jnp.asarray(tree.node_depths[1:])
 
         def cond(s):
             return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
@@ -75,6 +74,7 @@ class SpecDecoder:
             eos = self.ar.is_eos(emitted) & live
             n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
+            node_depths = drafter.tree_arrays(dstate, valid.shape[0]).depths[:, 1:]
             drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
             return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
                     "cache": cache, "step": s["step"] + n_out[0],

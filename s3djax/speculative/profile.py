@@ -69,7 +69,8 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
                 c, _, emitted, _, _ = drafter.verify(*params, c, length, last, nodes, valid, None, dstate, None,
                                                      decoder.ar.sampling)
             else:
-                c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config, tree=tree)
+                c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config,
+                                          tree=tree.arrays(1))
             return c, emitted
         return step
 

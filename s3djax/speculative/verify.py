@@ -15,22 +15,21 @@ from s3djax.cache import PrefixTreeMask
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits
-from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.tree import TreeArrays
 
 
-def tree_mask(length, tree: TreeSpec) -> PrefixTreeMask:
+def tree_mask(length, tree: TreeArrays) -> PrefixTreeMask:
     """The committed prefix, plus each node's ancestors (itself included) in the scratch slots."""
-    anc = jnp.asarray(tree.ancestors)
-    return PrefixTreeMask(length, jnp.broadcast_to(anc, (length.shape[0],) + anc.shape))
+    return PrefixTreeMask(length, tree.ancestors)
 
 
-def greedy_accept(tokens, target, valid, tree: TreeSpec):
+def greedy_accept(tokens, target, valid, tree: TreeArrays):
     """[B, N] bool: a node is accepted when its token is its parent's argmax and its parent is accepted."""
-    parents, depths = jnp.asarray(tree.parents), jnp.asarray(tree.node_depths)
-    match = (tokens == jnp.take(target, parents, axis=1)) & valid
+    parents, depths = tree.parents, tree.depths
+    match = (tokens == jnp.take_along_axis(target, parents, axis=1)) & valid
     accepted = jnp.zeros(tokens.shape, bool).at[:, 0].set(True)
     for d in range(1, tree.depth + 1):
-        accepted = accepted | ((depths == d) & match & jnp.take(accepted, parents, axis=1))
+        accepted = accepted | ((depths == d) & match & jnp.take_along_axis(accepted, parents, axis=1))
     return accepted
 
 
@@ -43,8 +42,8 @@ def accept_probability(r_tok, q_tok):
     return jnp.minimum(1.0, r_tok / jnp.maximum(q_tok, 1e-30))
 
 
-def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeSpec):
-    """Recursive rejection sampling down a static tree: (deepest accepted node [B], final token [B]).
+def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeArrays):
+    """Recursive rejection sampling down a tree: (deepest accepted node [B], final token [B]).
 
     tokens [B, N] (root first); probs [B, N, V]: the target's distribution after each node;
     child_probs [B, N, V]: the draft distribution each node's children were drawn from, in rank
@@ -62,15 +61,15 @@ def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeSpec):
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
-    children = jnp.asarray(tree.children)
-    width = children.shape[1]
+    children = tree.children
+    width = children.shape[2]
     keys = jax.random.split(key, tree.depth * width + 1)
     cur, going, r = jnp.zeros(b, jnp.int32), jnp.ones(b, bool), probs[:, 0]
     for d in range(tree.depth):
         q = child_probs[rows, cur]
         found, nxt = jnp.zeros(b, bool), cur
         for i in range(width):
-            child = children[cur, i]
+            child = children[rows, cur, i]
             node = jnp.maximum(child, 0)
             tok = tokens[rows, node]
             tries = going & ~found & (child >= 0) & valid[rows, node]
@@ -86,16 +85,16 @@ def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeSpec):
     return cur, final
 
 
-def score(params, cache, length, last, nodes, *, config: ModelConfig, tree: TreeSpec):
+def score(params, cache, length, last, nodes, *, config: ModelConfig, tree: TreeArrays):
     """The full target over [root + nodes]: (logits [B, N, V], cache with every node's K/V in its scratch slot)."""
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
-    positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
+    positions = length[:, None] + tree.depths
     decoder = Decoder(config)
     hidden, cache = decoder.apply({"params": params}, tokens, positions, cache, length, tree_mask(length, tree))
     return decoder.apply({"params": params}, hidden, method="logits"), cache
 
 
-def accept(logits, last, nodes, valid, *, tree: TreeSpec, sampling: Sampling = Sampling(), child_probs=None,
+def accept(logits, last, nodes, valid, *, tree: TreeArrays, sampling: Sampling = Sampling(), child_probs=None,
            key=None):
     """The target's verdict on a drafted tree: (accepted drafts a [B], emitted [B, D+1], path [B, D+1]).
 
@@ -105,24 +104,25 @@ def accept(logits, last, nodes, valid, *, tree: TreeSpec, sampling: Sampling = S
     Sampling needs the drafter's `child_probs` and a PRNG `key`.
     """
     tokens = jnp.concatenate([last[:, None], nodes], axis=1)
-    depths = jnp.asarray(tree.node_depths)
+    rows = jnp.arange(tokens.shape[0])
     valid = jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], 1)
     if sampling.greedy:
         target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         accepted = greedy_accept(tokens, target, valid, tree)
-        deepest = jnp.argmax(jnp.where(accepted, depths, -1), axis=1)  # one accepted node per depth, so unique
-        path = jnp.asarray(tree.path_table)[deepest]                   # [B, D+1]
+        deepest = jnp.argmax(jnp.where(accepted, tree.depths, -1), axis=1)  # one accepted node per depth, so unique
+        path = tree.paths[rows, deepest]                                     # [B, D+1]
         emitted = jnp.take_along_axis(target, path, 1)
     else:
         probs = jax.nn.softmax(process_logits(logits, sampling), axis=-1)
         deepest, final = sample_accept(tokens, probs, child_probs, valid, key, tree)
-        path = jnp.asarray(tree.path_table)[deepest]
+        path = tree.paths[rows, deepest]
         drafted = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, -1:]], 1), 1)
-        emitted = jnp.where(jnp.arange(tree.depth + 1)[None] == depths[deepest][:, None], final[:, None], drafted)
-    return depths[deepest], emitted, path
+        depth = tree.depths[rows, deepest]
+        emitted = jnp.where(jnp.arange(tree.depth + 1)[None] == depth[:, None], final[:, None], drafted)
+    return tree.depths[rows, deepest], emitted, path
 
 
-def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeSpec,
+def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeArrays,
            sampling: Sampling = Sampling(), child_probs=None, key=None):
     """score + accept + commit: (cache with the accepted path committed, accepted [B], emitted, path)."""
     logits, cache = score(params, cache, length, last, nodes, config=config, tree=tree)

@@ -22,7 +22,7 @@ from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
 from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.base import Drafter
-from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 
 def check_spine(tree: TreeSpec, method: str) -> TreeSpec:
@@ -107,7 +107,7 @@ class ChainDrafter(Drafter):
         depth = self.tree.depth
         return tuple(sorted({0, depth} | {2 ** i for i in range(depth.bit_length()) if 2 ** i < depth}))
 
-    def score(self, params, cache, length, last, nodes, state, tree: TreeSpec):
+    def score(self, params, cache, length, last, nodes, state, tree: TreeArrays):
         """The target's logits [B, N, V] at every node of `tree`, a prefix of the drafter's, and the cache
         with every node's K/V in its scratch slot."""
         return verify.score(params, cache, length, last, nodes[:, :tree.num_nodes - 1], config=self.config, tree=tree)
@@ -123,7 +123,7 @@ class ChainDrafter(Drafter):
         drafted = jnp.max(jnp.where(valid, jnp.asarray(tree.node_depths[1:])[None], 0))
 
         def upto(depth):
-            sub = TreeSpec.spine(depth, width) if depth else TreeSpec(())
+            sub = (TreeSpec.spine(depth, width) if depth else TreeSpec(())).arrays(last.shape[0])
             n = sub.num_nodes
 
             def run(cache):

@@ -41,7 +41,7 @@ from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.chain import ChainDrafter, check_spine
-from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -157,10 +157,10 @@ class KangarooDrafter(ChainDrafter):
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) > self.eta
 
-    def score(self, params, cache, length, last, nodes, state, tree: TreeSpec):
+    def score(self, params, cache, length, last, nodes, state, tree: TreeArrays):
         """Layers l..L-1 over the nodes' exit states; layers below l already hold their K/V. Nodes left
         undrafted carry stale exit states; they are invalid, so never accepted."""
-        positions = length[:, None] + jnp.asarray(tree.node_depths)[None]
+        positions = length[:, None] + tree.depths
         decoder, variables = Decoder(self.config, deep_plan(self.config.num_layers, self.exit_layer)), {"params": params}
         hidden, cache = decoder.apply(variables, state["exit"][:, :tree.num_nodes], positions, cache, length,
                                       verify.tree_mask(length, tree), method="run_layers")

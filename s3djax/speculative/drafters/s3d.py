@@ -1,6 +1,8 @@
 """S3D: one forward of the skip-plan model over [last token, <M> x (gamma-1)] drafts gamma positions.
 
-A draft with its own vocabulary (`s3djax.speculative.draft_vocab`) drafts over those tokens only.
+Its tree may be static, or dynamic (`DynamicTree`): the best paths by the draft's joint
+probabilities, chosen every step. A draft with its own vocabulary (`s3djax.speculative.draft_vocab`)
+drafts over those tokens only.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from s3djax import cache as kv
 from s3djax import quant
@@ -19,14 +20,14 @@ from s3djax.sampling import Sampling, process_logits
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.base import Drafter
-from s3djax.speculative.tree import TreeSpec
+from s3djax.speculative.tree import DynamicTree, TreeSpec
 
 
 @dataclasses.dataclass(frozen=True)
 class S3DDrafter(Drafter):
     config: ModelConfig
     plan: SkipPlan
-    tree: TreeSpec
+    tree: TreeSpec | DynamicTree
     gamma: int
 
     def block_logits(self, params, draft, cache, length, last):
@@ -47,20 +48,36 @@ class S3DDrafter(Drafter):
             return quant.head(hidden, draft["head"]), cache
         return decoder.apply(variables, hidden, method="logits"), cache
 
+    def init_state(self, params, draft, prompt, lengths, cache):
+        # A dynamic tree changes every step: the loop carries the one drafted to its verification.
+        return self.tree.arrays(prompt.shape[0]) if self.tree.dynamic else ()
+
+    def tree_arrays(self, state, batch: int):
+        return state if self.tree.dynamic else self.tree.arrays(batch)
+
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         logits, cache = self.block_logits(params, draft, cache, length, last)
-        # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
-        at = (slice(None), self.tree.node_depths[1:] - 1, self.tree.node_ranks[1:])
-        k = self.tree.max_rank + 1
+        b, k = last.shape[0], self.tree.max_rank + 1
         if sampling.greedy:
-            best = jnp.argmax(logits, axis=-1)[..., None] if k == 1 else jax.lax.top_k(logits, k)[1]
-            nodes = draft_vocab.token_ids(draft, best[at]).astype(jnp.int32)
+            logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            scores, candidates = (jnp.max(logq, -1, keepdims=True), jnp.argmax(logq, -1)[..., None]) if k == 1 \
+                else jax.lax.top_k(logq, k)
+        else:
+            logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)              # [B, gamma, V_draft]
+            # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
+            # without replacement (Kool et al. 2019), the order sampled verification tries them in.
+            drawn, candidates = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
+            # A dynamic tree's shape comes from q, never from the draws: which children a node tries
+            # must not depend on what they turn out to be, or the rejection rule stops being exact.
+            scores = jax.lax.top_k(logq, k)[0]
+        # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
+        tree, depth, rank = self.tree.layout(scores)
+        rows = jnp.arange(b)[:, None]
+        nodes = draft_vocab.token_ids(draft, candidates[rows, depth, rank]).astype(jnp.int32)
+        state = tree if self.tree.dynamic else state
+        if sampling.greedy:
             return nodes, jnp.ones(nodes.shape, bool), None, cache, state
-        logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)             # [B, gamma, V_draft]
-        # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
-        # without replacement (Kool et al. 2019), the order sampled verification tries them in.
-        scores, candidates = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
-        nodes, valid = draft_vocab.token_ids(draft, candidates[at]).astype(jnp.int32), jnp.isfinite(scores[at])  # q(x) = 0 is no draw
-        q = jnp.exp(logq)[:, np.minimum(self.tree.node_depths, self.gamma - 1)]         # node -> q of depth + 1
+        valid = jnp.isfinite(drawn[rows, depth, rank])  # q(x) = 0 is no draw
+        q = jnp.exp(logq)[rows, jnp.minimum(tree.depths, self.gamma - 1)]                  # node -> q of depth + 1
         q = draft_vocab.full_probs(draft, q, self.config.vocab_size)
         return nodes, valid, q, cache, state
