@@ -45,8 +45,8 @@ class Parser(argparse.ArgumentParser):
             "; with several methods, METHOD=PATH pairs separated by commas" if several else ""))
         self.add_argument("--gamma", type=int, help="positions drafted per step (s3d; default: a named tree's "
                           "depth, else the platform's measured fastest: 1 on a CPU, the paper's 4 elsewhere)")
-        self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo (6) "
-                          "and s2d (6)")
+        self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo and "
+                          "s2d (default: the one their file records as measured fastest, else the paper's 6)")
         self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "
                           "candidates at each depth), dynamic-N (s3d: the N likeliest paths by the draft's joint "
                           "probabilities, chosen every step), or a name in configs/trees (s3d)")

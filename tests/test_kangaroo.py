@@ -256,3 +256,14 @@ def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
     assert built.decoder.drafter.exit_layer == 2 and "4 steps" in built.draft
     got = Runner(built.decoder, built.params).generate([1, 2, 3], 12).tokens
     assert got == Runner(ARDecoder(TINY, 64, eos_ids=()), m.params).generate([1, 2, 3], 12).tokens
+
+
+def test_the_shipped_adapter_brings_its_measured_eta_and_max_draft(smollm2):
+    from s3djax import methods
+
+    built = methods.build("kangaroo", smollm2, max_cache_len=128)
+    drafter = built.decoder.drafter
+    # benchmarks/results/kangaroo-eta-sweep-cpu.md and kangaroo-exit-cpu-2026-11-23.md measured these fastest.
+    assert (drafter.eta, drafter.tree.depth) == (0.2, 1) and "eta 0.2, max draft 1" in built.draft
+    drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3).decoder.drafter
+    assert (drafter.eta, drafter.tree.depth) == (0.5, 3)  # the flags override the file

@@ -243,3 +243,12 @@ def test_smollm2_s2d_equals_ar(smollm2):
     ids = encode_prompt(smollm2.tokenizer, "What is the capital of France?", chat_template=True)
     expected = Runner(ar.decoder, ar.params).generate(ids, 24).tokens
     assert Runner(s2d.decoder, s2d.params).generate(ids, 24).tokens == expected
+
+
+def test_the_shipped_draft_brings_its_measured_max_draft(smollm2):
+    from s3djax import methods
+
+    built = methods.build("s2d", smollm2, max_cache_len=128)
+    # benchmarks/results/s2d-multi-target-cpu-2026-11-23.md measured it fastest.
+    assert built.decoder.drafter.tree.depth == 1 and "max draft 1" in built.draft
+    assert methods.build("s2d", smollm2, max_cache_len=128, max_draft=3).decoder.drafter.tree.depth == 3

@@ -216,7 +216,10 @@ def build_kangaroo(m, ar, opts, dtype: str):
     eta = opts.eta if opts.eta is not None else meta.get("eta", 0.6)
     if not 0 <= eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {eta}")
-    tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 6), "kangaroo")
+    # Likewise the deepest draft: the file's measured fastest, else the paper's 6.
+    max_draft = opts.max_draft or meta.get("max_draft", 6)
+    tree = check_spine(trees.resolve(opts.tree, max_draft), "kangaroo")
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}{draft_vocab.about(meta)}")
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {max_draft}"
+                 + draft_vocab.about(meta))

@@ -106,12 +106,14 @@ def build_s2d(m, ar, opts, dtype: str):
         thresholds, source = default_thresholds(len(exits)), "fallback"
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
 
-    tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 6), "s2d")
+    # The draft file may carry the deepest draft its sweep measured fastest; the paper's 6 otherwise.
+    max_draft = opts.max_draft or meta.get("max_draft", 6)
+    tree = check_spine(trees.resolve(opts.tree, max_draft), "s2d")
     drafter = S2DDrafter(m.config, tree, exits)
     if full_mode:
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
-             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), extra draft memory "
+             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {max_draft}, extra draft memory "
              f"{extra_bytes(params, draft) / 2**20:.1f} MiB")
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
