@@ -59,9 +59,10 @@ class S3DDrafter(Drafter):
         logits, cache = self.block_logits(params, draft, cache, length, last)
         b, k = last.shape[0], self.tree.max_rank + 1
         if sampling.greedy:
-            logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-            scores, candidates = (jnp.max(logq, -1, keepdims=True), jnp.argmax(logq, -1)[..., None]) if k == 1 \
-                else jax.lax.top_k(logq, k)
+            top, candidates = (jnp.max(logits, -1, keepdims=True), jnp.argmax(logits, -1)[..., None]) if k == 1 \
+                else jax.lax.top_k(logits, k)
+            # log q of the candidates, for a dynamic tree's choice (XLA drops it for a static tree)
+            scores = top.astype(jnp.float32) - jax.nn.logsumexp(logits.astype(jnp.float32), -1, keepdims=True)
         else:
             logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)              # [B, gamma, V_draft]
             # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
