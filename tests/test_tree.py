@@ -132,7 +132,11 @@ def test_a_dynamic_tree_is_the_best_closed_set_and_verification_reads_it_as_a_st
 
 
 def test_dynamic_tree_names():
+    from s3djax import methods
+
     assert trees.resolve("dynamic-16", 4).num_nodes == 17 and trees.resolve("dynamic-16", 4).depth == 4
+    # Unset, gamma is the paper's 4 for a dynamic tree, not the CPU chain's 1 (which holds only 8 candidates).
+    assert methods.default_gamma("dynamic-16") == methods.PAPER_GAMMA
     with pytest.raises(UserError, match="at least dynamic-4"):
         trees.resolve("dynamic-3", 4)
     with pytest.raises(UserError, match="raise --gamma"):  # at gamma 1 there are only 8 candidates
