@@ -4,7 +4,7 @@ of gamma drafts, a step costs draft(gamma) + forward(gamma + 1) and commits tau 
 speedup S over `ar` takes tau = S * (draft + forward(gamma + 1)) / forward(1), and no draft, however
 good, commits more than gamma + 1.
 
-    python -m benchmarks.forward_cost [--cache-len 2048] [--context 256] [--gammas 1,2,4] [--repeats 10]
+    python -m benchmarks.forward_cost [--cache-len 2048] [--context 256] [--gammas 1,2,4,8] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def main():
     p.add_argument("--cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--gammas", default=[1, 2, 4], type=lambda s: [int(g) for g in s.split(",")],
-                   help="chain depths whose draft step is timed, e.g. 1,2,4")
+    p.add_argument("--gammas", default=[1, 2, 4, 8], type=lambda s: [int(g) for g in s.split(",")],
+                   help="chain depths whose draft step is timed, e.g. 1,2,4,8")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
