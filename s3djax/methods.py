@@ -153,8 +153,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.speculative import tree as trees
-    from s3djax.speculative.drafters.chain import check_spine
+    from s3djax.speculative.drafters.chain import spine
     from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
     from s3djax.speculative.loop import SpecDecoder
 
@@ -166,7 +165,7 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     else:
         plan, about = default_draft_plan(m.config.num_layers), "the default plan"
         warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
-    tree = check_spine(trees.resolve(opts.tree, opts.max_draft or 12), "self-spec")
+    tree = spine(opts.tree, opts.max_draft or 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
     return Built(SpecDecoder.create(ar, drafter), (m.params, {}), warnings, f"skip {plan.spec()} ({about})")
 

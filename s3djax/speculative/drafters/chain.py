@@ -22,10 +22,12 @@ from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
 from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.drafters.base import Drafter
-from s3djax.speculative.tree import TreeArrays, TreeSpec
+from s3djax.speculative.tree import TreeArrays, TreeSpec, resolve
 
 
-def check_spine(tree: TreeSpec, method: str) -> TreeSpec:
+def spine(name: str, max_draft: int, method: str) -> TreeSpec:
+    """The tree `name` at depth `max_draft`, which must be a spine: chain or topK."""
+    tree = resolve(name, max_draft)
     if tree.spine_width is None:
         raise UserError(f"{method} drafts one token after another, so its tree must be chain or topK (top2, ...)")
     return tree

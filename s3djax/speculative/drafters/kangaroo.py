@@ -40,7 +40,7 @@ from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab, verify
-from s3djax.speculative.drafters.chain import ChainDrafter, check_spine
+from s3djax.speculative.drafters.chain import ChainDrafter, spine
 from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 
@@ -188,7 +188,6 @@ def check_adapter(adapter: dict, config: ModelConfig, path: str) -> dict:
 def build_kangaroo(m, ar, opts, dtype: str):
     """`--method kangaroo`: the adapter from --draft (or the model's shipped one), its exit layer, eta."""
     from s3djax.loading import DTYPES
-    from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import load_artifact
     from s3djax.speculative.loop import SpecDecoder
 
@@ -217,9 +216,8 @@ def build_kangaroo(m, ar, opts, dtype: str):
     if not 0 <= eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {eta}")
     # Likewise the deepest draft: the file's measured fastest, else the paper's 6.
-    max_draft = opts.max_draft or meta.get("max_draft", 6)
-    tree = check_spine(trees.resolve(opts.tree, max_draft), "kangaroo")
+    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft", 6), "kangaroo")
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {max_draft}"
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {tree.depth}"
                  + draft_vocab.about(meta))

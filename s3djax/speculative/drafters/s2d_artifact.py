@@ -69,9 +69,8 @@ def build_s2d(m, ar, opts, dtype: str):
     """`methods.build`'s s2d: the nested draft (opts.draft_path), its thresholds for this target, and the
     target itself: the loaded model, or with opts.target_from's full-mode S3D layers in place."""
     from s3djax.loading import DTYPES
-    from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import load_artifact
-    from s3djax.speculative.drafters.chain import check_spine
+    from s3djax.speculative.drafters.chain import spine
     from s3djax.speculative.loop import SpecDecoder
 
     path, warnings = opts.draft_path, []
@@ -107,13 +106,12 @@ def build_s2d(m, ar, opts, dtype: str):
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
 
     # The draft file may carry the deepest draft its sweep measured fastest; the paper's 6 otherwise.
-    max_draft = opts.max_draft or meta.get("max_draft", 6)
-    tree = check_spine(trees.resolve(opts.tree, max_draft), "s2d")
+    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft", 6), "s2d")
     drafter = S2DDrafter(m.config, tree, exits)
     if full_mode:
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
-             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {max_draft}, extra draft memory "
+             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {tree.depth}, extra draft memory "
              f"{extra_bytes(params, draft) / 2**20:.1f} MiB")
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
