@@ -17,17 +17,21 @@ from infer.cli import Parser, run
 TOKENS = (1, 2, 3, 4, 5, 8, 9, 17)
 
 
+def gamma_list(text: str) -> list[int]:
+    return [int(g) for g in text.split(",")]
+
+
 def main():
     p = Parser(prog="python -m benchmarks.forward_cost", description=__doc__.splitlines()[0])
     p.add_argument("--cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--gammas", default=[1, 2, 4, 8], type=lambda s: [int(g) for g in s.split(",")],
+    p.add_argument("--gammas", default=[1, 2, 4, 8], type=gamma_list,
                    help="chain depths whose draft step is timed, e.g. 1,2,4,8")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
-    p.check(args, gammas=all(g + 1 in TOKENS for g in args.gammas))
+    p.check(args, gammas=all(g >= 1 and g + 1 in TOKENS for g in args.gammas))
 
     import jax.numpy as jnp
 

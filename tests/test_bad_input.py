@@ -98,6 +98,20 @@ def test_projection_refuses_a_results_file_it_cannot_use(settings, message, tmp_
     assert message in refused(lambda _: projection.main(), None, capsys)
 
 
+@pytest.mark.parametrize("gammas, message", [
+    ("5", "argument --gammas: invalid value [5]"),  # no 6-token forward is timed to verify it
+    ("1,0", "argument --gammas: invalid value [1, 0]"),
+    ("1,x", "argument --gammas: invalid gamma_list value: '1,x'"),
+])
+def test_forward_cost_refuses_a_gamma_it_does_not_time(gammas, message, monkeypatch, capsys):
+    import sys
+
+    from benchmarks import forward_cost
+
+    monkeypatch.setattr(sys, "argv", ["forward_cost", "--gammas", gammas])
+    assert message in refused(lambda _: forward_cost.main(), None, capsys)
+
+
 def test_quantize_refuses_an_output_it_cannot_create(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "cannot create --out" in refused(quantize.main, ["--out", str(tmp_path / "file" / "int8")], capsys)
