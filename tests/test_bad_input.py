@@ -98,17 +98,18 @@ def test_projection_refuses_a_results_file_it_cannot_use(settings, message, tmp_
     assert message in refused(lambda _: projection.main(), None, capsys)
 
 
-@pytest.mark.parametrize("gammas, message", [
-    ("5", "argument --gammas: invalid value [5]"),  # no 6-token forward is timed to verify it
-    ("1,0", "argument --gammas: invalid value [1, 0]"),
-    ("1,x", "argument --gammas: invalid gamma_list value: '1,x'"),
+@pytest.mark.parametrize("flags, message", [
+    (["--gammas", "5"], "argument --gammas: invalid value [5]"),  # no 6-token forward is timed to verify it
+    (["--gammas", "1,0"], "argument --gammas: invalid value [1, 0]"),
+    (["--gammas", "1,x"], "argument --gammas: invalid gamma_list value: '1,x'"),
+    (["--methods", "s3d,ar"], "argument --methods: invalid value ['s3d', 'ar']"),  # ar has no draft to time
 ])
-def test_forward_cost_refuses_a_gamma_it_does_not_time(gammas, message, monkeypatch, capsys):
+def test_forward_cost_refuses_what_it_does_not_time(flags, message, monkeypatch, capsys):
     import sys
 
     from benchmarks import forward_cost
 
-    monkeypatch.setattr(sys, "argv", ["forward_cost", "--gammas", gammas])
+    monkeypatch.setattr(sys, "argv", ["forward_cost", *flags])
     assert message in refused(lambda _: forward_cost.main(), None, capsys)
 
 

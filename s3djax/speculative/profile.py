@@ -79,13 +79,15 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
     def ar_step(params, c):
         return ar_forward(params[0], c)
 
-    def draft_step(params, c):
-        nodes, _, _, c, _ = drafter.draft(*params, c, length, last, dstate, None, decoder.ar.sampling)
-        return c, nodes
+    def draft_step(params, carry):
+        # The drafter's state is carried too: a draft reading only its own cache (S2D's) would otherwise be
+        # loop-invariant, and XLA would hoist it out of the timed loop.
+        nodes, _, _, c, state = drafter.draft(*params, carry[0], length, last, carry[1], None, decoder.ar.sampling)
+        return (c, state), nodes
 
     out = {}
     out["ar_step_ms"], cache = ms_per_step(ar_step, params, cache, repeats)
-    out["draft_step_ms"], cache = ms_per_step(draft_step, params, cache, repeats)
+    out["draft_step_ms"], (cache, dstate) = ms_per_step(draft_step, params, (cache, dstate), repeats)
     for name, tree in (trees or {"verify": drafter.tree}).items():
         key = "verify_step_ms" if name == "verify" else f"verify_{name}_ms"
         out[key], cache = ms_per_step(verify_step(tree), params, cache, repeats)
