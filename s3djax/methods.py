@@ -157,17 +157,19 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
     from s3djax.speculative.loop import SpecDecoder
 
-    warnings = []
+    warnings, max_draft = [], None
     if opts.skip:
         plan, about = SkipPlan.parse(opts.skip, m.config.num_layers), "--skip"
     elif opts.draft_path not in (None, "none"):
-        plan, about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
+        (plan, max_draft), about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
     else:
         plan, about = default_draft_plan(m.config.num_layers), "the default plan"
         warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
-    tree = spine(opts.tree, opts.max_draft or 12, "self-spec")
+    # The plan file's max draft where it records one (the shipped plan's: measured fastest), else the paper's 12.
+    tree = spine(opts.tree, opts.max_draft or max_draft or 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
-    return Built(SpecDecoder.create(ar, drafter), (m.params, {}), warnings, f"skip {plan.spec()} ({about})")
+    return Built(SpecDecoder.create(ar, drafter), (m.params, {}), warnings,
+                 f"skip {plan.spec()} ({about}), max draft {tree.depth}")
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -124,8 +124,15 @@ def accept(logits, last, nodes, valid, *, tree: TreeArrays, sampling: Sampling =
 
 def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeArrays,
            sampling: Sampling = Sampling(), child_probs=None, key=None):
-    """score + accept + commit: (cache with the accepted path committed, accepted [B], emitted, path)."""
+    """score + settle: (cache with the accepted path committed, accepted [B], emitted, path)."""
     logits, cache = score(params, cache, length, last, nodes, config=config, tree=tree)
+    return settle(logits, cache, length, last, nodes, valid, tree=tree, sampling=sampling, child_probs=child_probs,
+                  key=key)
+
+
+def settle(logits, cache, length, last, nodes, valid, *, tree: TreeArrays, sampling: Sampling = Sampling(),
+           child_probs=None, key=None):
+    """accept + commit over scored nodes: (cache with the accepted path committed, accepted [B], emitted, path)."""
     accepted, emitted, path = accept(logits, last, nodes, valid, tree=tree, sampling=sampling,
                                      child_probs=child_probs, key=key)
     return commit_path(cache, length, path, tree.num_nodes), accepted, emitted, path

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from s3djax.sampling import Sampling
-from s3djax.speculative.verify import verify
+from s3djax.speculative import verify
+from s3djax.speculative.tree import TreeArrays
 
 
 class Drafter:
@@ -14,11 +15,16 @@ class Drafter:
         """The tree this step drafted: a static tree's constants (a dynamic tree's drafter overrides this)."""
         return self.tree.arrays(batch)
 
+    def score(self, params, cache, length, last, nodes, state, tree: TreeArrays):
+        """The target's logits [B, N, V] at every node of `tree`, and the cache with every node's K/V in its
+        scratch slot."""
+        return verify.score(params, cache, length, last, nodes, config=self.config, tree=tree)
+
     def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
-        cache, accepted, emitted, path = verify(params, cache, length, last, nodes, valid, config=self.config,
-                                                tree=self.tree_arrays(state, last.shape[0]), sampling=sampling,
-                                                child_probs=child_probs, key=key)
-        return cache, accepted, emitted, path, state
+        tree = self.tree_arrays(state, last.shape[0])
+        logits, cache = self.score(params, cache, length, last, nodes, state, tree)
+        return (*verify.settle(logits, cache, length, last, nodes, valid, tree=tree, sampling=sampling,
+                               child_probs=child_probs, key=key), state)
 
     def update(self, state, length, accepted, path, emitted):
         return state

@@ -7,8 +7,10 @@ each sees the committed prefix and its own ancestors. Only the chain node's logi
 d + 1; a leaf is run too so that, if verify commits it, the drafter's own caches hold its K/V.
 
 Drafting stops, inside the jitted loop and without recompiling, once the subclass's confidence test
-fails or the tree is full; the depths left are masked invalid. Verification is only as deep as
-was drafted.
+fails or the tree is full; the depths left are masked invalid, and verification scores the whole
+spine. (Verifying only as deep as was drafted, a `lax.switch` over prefix trees, cost more than it
+saved: XLA copies the K/V cache into and out of a conditional that updates it, about half an AR step
+on the 2-core CPU at cache 2048, and every node past the first costs little on a memory-bound device.)
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from s3djax import cache as kv
 from s3djax.cache import PrefixTreeMask
 from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
-from s3djax.speculative import draft_vocab, verify
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.base import Drafter
-from s3djax.speculative.tree import TreeArrays, TreeSpec, resolve
+from s3djax.speculative.tree import TreeSpec, resolve
 
 
 def spine(name: str, max_draft: int, method: str) -> TreeSpec:
@@ -102,42 +104,3 @@ class ChainDrafter(Drafter):
         _, nodes, valid, child_probs, _, cache, state = jax.lax.while_loop(
             cond, body, (jnp.int32(1), nodes, valid, child_probs, going, cache, state))
         return nodes, valid, child_probs, cache, state
-
-    @property
-    def verify_depths(self) -> tuple[int, ...]:
-        """The prefix trees verification picks from: depths 0, 1, 2, 4, ... and the full depth."""
-        depth = self.tree.depth
-        return tuple(sorted({0, depth} | {2 ** i for i in range(depth.bit_length()) if 2 ** i < depth}))
-
-    def score(self, params, cache, length, last, nodes, state, tree: TreeArrays):
-        """The target's logits [B, N, V] at every node of `tree`, a prefix of the drafter's, and the cache
-        with every node's K/V in its scratch slot."""
-        return verify.score(params, cache, length, last, nodes[:, :tree.num_nodes - 1], config=self.config, tree=tree)
-
-    def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
-        """Only as deep as was drafted: a spine's nodes are in depth order, so its first 1 + d*width nodes
-        are the tree of depth d, and `lax.switch` (one executable) verifies the smallest of
-        `verify_depths` that holds the drafted depth. A verify costs what its tokens cost on a
-        compute-bound device, and confidence-stopped drafting often stops early or drafts nothing.
-        Undrafted nodes inside the chosen prefix are invalid, so never accepted.
-        """
-        tree, width = self.tree, self.tree.max_rank + 1
-        drafted = jnp.max(jnp.where(valid, jnp.asarray(tree.node_depths[1:])[None], 0))
-
-        def upto(depth):
-            sub = (TreeSpec.spine(depth, width) if depth else TreeSpec(())).arrays(last.shape[0])
-            n = sub.num_nodes
-
-            def run(cache):
-                logits, cache = self.score(params, cache, length, last, nodes, state, sub)
-                accepted, emitted, path = verify.accept(
-                    logits, last, nodes[:, :n - 1], valid[:, :n - 1], tree=sub, sampling=sampling,
-                    child_probs=None if child_probs is None else child_probs[:, :n], key=key)
-                # Past the accepted depth, entries are padding: the deepest node again, as commit_path expects.
-                emitted, path = (jnp.pad(x, ((0, 0), (0, tree.depth - depth)), mode="edge") for x in (emitted, path))
-                return verify.commit_path(cache, length, path, n), accepted, emitted, path
-            return run
-
-        index = jnp.searchsorted(jnp.asarray(self.verify_depths), drafted)
-        cache, accepted, emitted, path = jax.lax.switch(index, [upto(d) for d in self.verify_depths], cache)
-        return cache, accepted, emitted, path, state

@@ -88,7 +88,8 @@ def save_plan(path: str, plan: SkipPlan, meta: dict) -> None:
         yaml.safe_dump({"skip": plan.spec(), "num_layers": plan.num_layers, **meta}, f, sort_keys=False)
 
 
-def load_plan(path: str, num_layers: int) -> SkipPlan:
+def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, int | None]:
+    """The plan, and the max draft the file records (the search's, or the one measured fastest with it)."""
     if not os.path.isfile(path):
         raise UserError(f"no such skip plan file: {path}")
     try:
@@ -99,4 +100,4 @@ def load_plan(path: str, num_layers: int) -> SkipPlan:
         raise UserError(f"{path} is not a skip plan file (a YAML mapping with a 'skip' entry): {e}") from None
     if record.get("num_layers", num_layers) != num_layers:
         raise UserError(f"{path} is a plan for {record['num_layers']} layers, not this model's {num_layers}")
-    return SkipPlan.parse(spec, num_layers)
+    return SkipPlan.parse(spec, num_layers), record.get("max_draft")
