@@ -124,6 +124,11 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(tmp_path):
         load_plan(str(tmp_path / "bad.yaml"), 12)
     with pytest.raises(UserError, match="no such"):
         load_plan(str(tmp_path / "missing.yaml"), 12)
+    save_plan(str(tmp_path / "deep.yaml"), plan, {"max_draft": 4})
+    assert load_plan(str(tmp_path / "deep.yaml"), 12) == (plan, 4)
+    save_plan(str(tmp_path / "zero.yaml"), plan, {"max_draft": 0})
+    with pytest.raises(UserError, match="max_draft must be a whole number of at least 1, got 0"):
+        load_plan(str(tmp_path / "zero.yaml"), 12)
 
 
 def test_the_shipped_plan_brings_its_measured_max_draft(smollm2):

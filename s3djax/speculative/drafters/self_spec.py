@@ -100,4 +100,7 @@ def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, int | None]:
         raise UserError(f"{path} is not a skip plan file (a YAML mapping with a 'skip' entry): {e}") from None
     if record.get("num_layers", num_layers) != num_layers:
         raise UserError(f"{path} is a plan for {record['num_layers']} layers, not this model's {num_layers}")
-    return SkipPlan.parse(spec, num_layers), record.get("max_draft")
+    max_draft = record.get("max_draft")
+    if max_draft is not None and not (isinstance(max_draft, int) and max_draft >= 1):
+        raise UserError(f"{path}: max_draft must be a whole number of at least 1, got {max_draft!r}")
+    return SkipPlan.parse(spec, num_layers), max_draft
