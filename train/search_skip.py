@@ -44,7 +44,7 @@ PARTS = ("attn", "mlp")
 class SearchConfig:
     trials: int = 60
     max_new_tokens: int = 32
-    max_draft: int = 12         # the paper's K, and infer.generate's default for self-spec
+    max_draft: int = 12         # the paper's K, and infer.generate's self-spec default for a plan that records none
     seed: int = 0
     max_cache_len: int = 0      # 0: just enough for the development set
     # A candidate is cut short (its estimate so far kept, flagged partial) once, after at least two
