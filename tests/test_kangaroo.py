@@ -18,6 +18,7 @@ from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
 from s3djax.methods import Options
 from s3djax.speculative import draft_vocab, verify
+from s3djax.speculative.draft_params import save_artifact
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
@@ -252,6 +253,16 @@ def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
     assert evals[-1] < evals[0], evals
 
     m = tiny_model()
+    from train.kangaroo import KangarooTask
+
+    warm = tiny_config(data, str(tmp_path / "warm"), exit_layer=2, init_from=resumed["path"])
+    start = KangarooTask.create(m, warm, 64).init_trainable(m, warm, jax.random.key(0))
+    jax.tree.map(np.testing.assert_array_equal, start, resumed["trainable"])
+    save_artifact(str(tmp_path / "other.npz"), {"attn_norm": {"scale": np.ones(3, np.float32)}}, {})
+    wrong = tiny_config(data, str(tmp_path / "wrong"), exit_layer=2, init_from=str(tmp_path / "other.npz"))
+    with pytest.raises(UserError, match="other.npz is not a Kangaroo adapter"):
+        KangarooTask.create(m, wrong, 64).init_trainable(m, wrong, jax.random.key(0))
+
     built = build_kangaroo(m, ARDecoder(TINY, 64, eos_ids=()), Options(draft_path=resumed["path"]), "float32")
     assert built.decoder.drafter.exit_layer == 2 and "4 steps" in built.draft
     got = Runner(built.decoder, built.params).generate([1, 2, 3], 12).tokens

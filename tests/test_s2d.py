@@ -1,6 +1,7 @@
 """S2D: greedy output equals each target's ar token for token, early exits keep the draft cache exact,
 SoFT's gradients reach every exit, and a tiny training run writes an artifact `--method s2d` loads."""
 
+import dataclasses
 import functools
 
 import jax
@@ -206,12 +207,18 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     from s3djax.methods import Options
     from s3djax.speculative.drafters.s2d_artifact import build_s2d
     from tiny import TINY, tiny_config, tiny_model
-    from train.s2d import store_thresholds, train_nested
+    from train.s2d import S2DTask, store_thresholds, train_nested
 
     m = tiny_model()
     cfg = tiny_config(data, str(tmp_path), exits="1,2", lora_rank=2, steps=12, eval_every=6, eval_batches=1,
                       batch_size=2, target="kl", anchor_fraction=0.25)
     result = train_nested(cfg, loaded=m, progress=False)
+    warm = dataclasses.replace(cfg, init_from=result["path"])
+    start = S2DTask.create(m, warm, 64).init_trainable(m, warm, jax.random.key(1))
+    jax.tree.map(np.testing.assert_array_equal, start, {"lora": result["trainable"]["lora"]})
+    deeper = dataclasses.replace(warm, exits="1,2,3")
+    with pytest.raises(UserError, match="not an S2D nested draft of depth 3 and LoRA rank 2"):
+        S2DTask.create(m, deeper, 64).init_trainable(m, deeper, jax.random.key(1))
     evals = [r for r in result["records"] if r["split"] == "eval"]
     trains = [r["loss"] for r in result["records"] if r["split"] == "train"]
     # Eight random rows teach nothing that carries to held-out rows: the training loss is what falls.

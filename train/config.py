@@ -27,7 +27,7 @@ class TrainConfig:
     target: str = "data"             # data (paper Eq. 9) | greedy | kl (distil the full model)
     lm_weight: float = 1.0           # full mode: weight of the next-token term that keeps the target good
     anchor_fraction: float = 0.15
-    init_from: str | None = None     # s3d: a draft file of the same plan and rank to start from (warm start)
+    init_from: str | None = None     # a draft file of the same shape to start from (warm start)
     exit_layer: int = 0              # kangaroo: the early-exit layer (0: the method's default)
     exits: str = "4,6,8"             # s2d: the nested draft's exits, in layers (the last is its depth)
     batch_size: int = 8

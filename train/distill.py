@@ -1,6 +1,6 @@
 """Self-distillation data: the target's own greedy answers to ShareGPT prompts, as token shards.
 
-    python -m train.distill --out data/distill-smollm2 --prompts 3000 --new-tokens 160
+    python -m train.distill --out data/distill-smollm2 --prompts 3000 --new-tokens 160 [--sort part]
 
 Each conversation's first user turn is rendered as at inference (chat template, system prompt
 included) and answered greedily by the project's batched AR decoder. The loss mask covers the answer
@@ -37,6 +37,18 @@ def first_prompts(records, limit: int) -> list[tuple[str, str]]:
     return out
 
 
+def parts(items: list[tuple[str, list[int]]], part_rows: int, sort: str) -> list[list[tuple[str, list[int]]]]:
+    """The (id, prompt ids) of each resumable part, each part sorted by prompt length.
+
+    Similar lengths then share a batch, so padding wastes little; the order is fixed, so parts are
+    stable. sort="all" sorts every prompt first, which pads least but leaves the first parts only the
+    shortest prompts; with "part", each part is a slice of ShareGPT's own order and spans its lengths.
+    """
+    by_length = lambda item: len(item[1])  # noqa: E731
+    items = sorted(items, key=by_length) if sort == "all" else items
+    return [sorted(items[s:s + part_rows], key=by_length) for s in range(0, len(items), part_rows)]
+
+
 def answer(runner, batch: list[list[int]], new_tokens: int, pad_id: int):
     """Greedy answers [B, new_tokens] (pad after EOS) to right-padded prompts of one batch."""
     import jax
@@ -56,7 +68,7 @@ def answer(runner, batch: list[list[int]], new_tokens: int, pad_id: int):
 
 
 def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: int, batch_size: int,
-            part_rows: int, eval_fraction: float, dtype: str = "float32") -> dict:
+            part_rows: int, eval_fraction: float, sort: str = "all", dtype: str = "float32") -> dict:
     from s3djax import tokenizer as tk
     from s3djax.decode import ARDecoder, Runner
     from s3djax.loading import load_model
@@ -72,17 +84,14 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
         ids = tk.encode_prompt(m.tokenizer, text, chat_template=True)
         if len(ids) <= max_prompt:
             items.append((cid, ids))
-    # Similar lengths share a batch, so padding wastes little; the order is fixed, so parts are stable.
-    items.sort(key=lambda item: len(item[1]))
     max_len = max_prompt + new_tokens
     decoder = ARDecoder(m.config, max_len, m.eos_ids, pad_id=pad_id)
     runner = Runner(decoder, m.params)
     os.makedirs(out, exist_ok=True)
     rows = {"train": [], "eval": []}
     t0, done = time.perf_counter(), 0
-    for part, start in enumerate(range(0, len(items), part_rows)):
+    for part, chunk in enumerate(parts(items, part_rows, sort)):
         path = os.path.join(out, f"part-{part:05d}.npz")
-        chunk = items[start:start + part_rows]
         if not os.path.exists(path):
             tokens = np.full((len(chunk), max_len), pad_id, np.int32)
             masks = np.zeros((len(chunk), max_len), np.uint8)
@@ -103,7 +112,8 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
         done += len(chunk)
         manifest = write_manifest(out, rows, model=model, vocab_size=len(m.tokenizer), max_len=max_len, pad_id=pad_id,
                                   new_tokens=new_tokens,
-                                  max_prompt=max_prompt, prompts=len(items), eval_fraction=eval_fraction)
+                                  max_prompt=max_prompt, prompts=len(items), eval_fraction=eval_fraction,
+                                  sort=sort)
         print(f"part {part}: {done}/{len(items)} prompts, {manifest['splits']['train']['loss_tokens']} answer tokens, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return manifest
@@ -111,9 +121,9 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
 
 def write_manifest(out: str, rows: dict, **meta) -> dict:
     manifest = {"format": FORMAT, "kind": "self-distilled greedy answers", **meta, "splits": {}}
-    for split, parts in rows.items():
-        arrays = [np.concatenate(x) if x else np.zeros((0, meta["max_len"]), np.int32) for x in zip(*parts)] \
-            if parts else [np.zeros((0, meta["max_len"]), np.int32)] * 2 + [np.zeros(0, np.int32)]
+    for split, split_parts in rows.items():
+        arrays = [np.concatenate(x) if x else np.zeros((0, meta["max_len"]), np.int32) for x in zip(*split_parts)] \
+            if split_parts else [np.zeros((0, meta["max_len"]), np.int32)] * 2 + [np.zeros(0, np.int32)]
         manifest["splits"][split] = write_split(out, split, *arrays, shard_rows=1 << 20)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -130,10 +140,14 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--part-rows", type=int, default=256, help="prompts per resumable part")
     p.add_argument("--eval-fraction", type=float, default=0.02)
+    p.add_argument("--sort", choices=("all", "part"), default="all",
+                   help="sort every prompt by length (least padding; the first parts are the shortest prompts), "
+                        "or each part (each part spans ShareGPT's lengths)")
     args = p.parse_args(argv)
     output_folder(args.out)
     m = distill(args.model, args.out, prompts=args.prompts, new_tokens=args.new_tokens, max_prompt=args.max_prompt,
-                batch_size=args.batch_size, part_rows=args.part_rows, eval_fraction=args.eval_fraction)
+                batch_size=args.batch_size, part_rows=args.part_rows, eval_fraction=args.eval_fraction,
+                sort=args.sort)
     print(f"{m['prompts']} prompts answered: train {m['splits']['train']['rows']} rows / "
           f"{m['splits']['train']['loss_tokens']} answer tokens, eval {m['splits']['eval']['rows']} rows -> {args.out}")
 

@@ -26,6 +26,7 @@ from train.config import TrainConfig
 from train import loop
 from train.loop import train
 from train.objectives import sample_anchors
+from train.trainable import warm_start
 
 
 def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_layer: int, num_positions: int):
@@ -80,7 +81,8 @@ class KangarooTask:
     def init_trainable(self, m, cfg: TrainConfig, key):
         # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
         # Copies: the trained state is donated each step, and must not alias the frozen params.
-        return jax.tree.map(jnp.copy, init_adapter(m.params, m.config, self.exit_layer))
+        return warm_start(jax.tree.map(jnp.copy, init_adapter(m.params, m.config, self.exit_layer)), cfg.init_from,
+                          f"a Kangaroo adapter at exit layer {self.exit_layer}")
 
     def loss(self, trainable, frozen, batch, key):
         return kangaroo_loss(trainable, frozen, batch, key, config=self.config, exit_layer=self.exit_layer,

@@ -38,6 +38,7 @@ from train.config import TrainConfig
 from train import loop
 from train.loop import train
 from train.objectives import _cross_entropy, sample_anchors
+from train.trainable import warm_start
 
 
 def exit_hidden(params, lora, tokens, *, config: ModelConfig, exits: tuple[int, ...]):
@@ -103,7 +104,8 @@ class S2DTask:
         return cls(cfg, m.config, parse_exits(cfg.exits, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
 
     def init_trainable(self, m, cfg: TrainConfig, key):
-        return {"lora": init_lora(m.params, m.config, self.exits[-1], cfg.lora_rank, key)}
+        return warm_start({"lora": init_lora(m.params, m.config, self.exits[-1], cfg.lora_rank, key)}, cfg.init_from,
+                          f"an S2D nested draft of depth {self.exits[-1]} and LoRA rank {cfg.lora_rank}")
 
     def loss(self, trainable, frozen, batch, key):
         return soft_loss(frozen, trainable["lora"], batch, key, config=self.config, exits=self.exits,

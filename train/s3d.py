@@ -11,17 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 
 from infer.cli import run
 from s3djax.config import ModelConfig
-from s3djax.errors import UserError
 from s3djax.skip_plan import SkipPlan
 from train.config import TrainConfig
 from train import loop
 from train.objectives import s3d_loss
-from train.trainable import assemble, init_trainable
+from train.trainable import assemble, init_trainable, warm_start
 
 
 def draft_plan(cfg: TrainConfig, num_layers: int) -> SkipPlan:
@@ -43,17 +41,11 @@ class S3DTask:
         return cls(cfg, m.config, draft_plan(cfg, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
 
     def init_trainable(self, m, cfg: TrainConfig, key):
-        fresh = init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key)
-        if not cfg.init_from:
-            return fresh
         from s3djax.speculative.draft_params import load_draft
 
-        start, _ = load_draft(cfg.init_from, m.config, jnp.float32)
-        start = {k: v for k, v in start.items() if k in fresh}
-        if jax.tree.structure(start) != jax.tree.structure(fresh) or \
-                jax.tree.map(jnp.shape, start) != jax.tree.map(jnp.shape, fresh):
-            raise UserError(f"init_from {cfg.init_from} is not a {cfg.mode} draft of this plan and LoRA rank")
-        return start
+        return warm_start(init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key), cfg.init_from,
+                          f"a {cfg.mode} draft of this plan and LoRA rank",
+                          lambda path: load_draft(path, m.config, jnp.float32))
 
     def loss(self, trainable, frozen, batch, key):
         params, draft = assemble(trainable, frozen)

@@ -9,10 +9,14 @@ holds by construction; `assemble` puts the two trees back together for the forwa
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from s3djax.config import ModelConfig
+from s3djax.errors import UserError
 from s3djax.model import layers_of, with_layers
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative.draft_params import init_draft
+from s3djax.speculative.draft_params import init_draft, load_artifact
 
 _ATTN = ("attn_norm", "attn")
 _MLP = ("mlp_norm", "mlp")
@@ -34,3 +38,20 @@ def assemble(trainable: dict, frozen: dict) -> tuple[dict, dict]:
     if "layers" not in trainable:
         return frozen, trainable
     return with_layers(frozen, trainable["layers"]), {"mask_embed": trainable["mask_embed"]}
+
+
+def warm_start(fresh: dict, path: str | None, what: str, load=None) -> dict:
+    """`fresh` (the trainable tree a task starts from), or the same tree read from a draft file (init_from).
+
+    Entries the file holds beyond the trainable ones (a draft vocabulary's head rows) are left out; any
+    other difference in structure or shape is one line of error. `load(path)` reads the file (default
+    `load_artifact` in float32).
+    """
+    if not path:
+        return fresh
+    start, _ = load(path) if load else load_artifact(path, jnp.float32)
+    start = {k: v for k, v in start.items() if k in fresh}
+    if jax.tree.structure(start) != jax.tree.structure(fresh) or \
+            jax.tree.map(jnp.shape, start) != jax.tree.map(jnp.shape, fresh):
+        raise UserError(f"init_from {path} is not {what}")
+    return start
