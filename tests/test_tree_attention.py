@@ -131,3 +131,6 @@ def test_xla_attention_over_the_occupied_prefix_equals_the_dense_mask(lengths):
     q, kc, vc, _, _, tree = inputs(2, 5, 6, 2, 16, 300, jnp.float32, seed=3)
     mask = PrefixTreeMask(jnp.asarray(lengths, jnp.int32), tree)
     np.testing.assert_allclose(attend(q, kc, vc, mask), attend(q, kc, vc, mask.dense(300)), atol=1e-6)
+    # An autoregressive drafter's block: its last two nodes' rows over the whole five-slot scratch tree.
+    wide = PrefixTreeMask(mask.lengths, tree[:, 3:])
+    np.testing.assert_allclose(attend(q[:, 3:], kc, vc, wide), attend(q[:, 3:], kc, vc, wide.dense(300)), atol=1e-6)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import cache as kv
 from s3djax.cache import PrefixTreeMask
 from s3djax.errors import UserError
 from s3djax.sampling import Sampling, process_logits
@@ -37,9 +36,11 @@ def spine(name: str, max_draft: int, method: str) -> TreeSpec:
 
 class ChainDrafter(Drafter):
     """Subclasses are frozen dataclasses with `config` and `tree`, and define:
-    - `block(params, draft, cache, state, tokens [B, T], positions [B, T], slot [B], mask [B, T, S])
+    - `block(params, draft, cache, state, tokens [B, T], positions [B, T], slot [B], mask)
       -> (logits of the block's first token [B, V], cache, state)`, V being the draft vocabulary's
       size where the draft has one;
+      `mask` is a `PrefixTreeMask` (the committed prefix and the block's ancestors in the scratch tree),
+      so attention reads only the occupied prefix;
     - `confident(state, probs [B, V]) -> [B] bool`: whether to draft the next depth from probs.
     `process_last_block`: run the deepest block too (its K/V or exit states are needed later).
     They may override `score` (Kangaroo verifies from its exit states).
@@ -59,7 +60,7 @@ class ChainDrafter(Drafter):
         def run(d, tokens, cache, state):
             first = jnp.where(d == 0, 0, 1 + (d - 1) * k)  # node index of the block's chain token
             rows = jax.lax.dynamic_slice_in_dim(ancestors, first, tokens.shape[1], axis=0)
-            mask = PrefixTreeMask(length, jnp.broadcast_to(rows, (b,) + rows.shape)).dense(kv.cache_len(cache))
+            mask = PrefixTreeMask(length, jnp.broadcast_to(rows, (b,) + rows.shape))
             positions = jnp.broadcast_to(length[:, None] + d, tokens.shape)
             return self.block(params, draft, cache, state, tokens, positions, length + first, mask)
 

@@ -181,6 +181,7 @@ class S2DDrafter(ChainDrafter):
             return state.pop("root_logits"), cache, state
         n, (b, t) = len(self.exits), tokens.shape
         reached = kv.put_rows(state["reached"], jnp.full((b, t), n, jnp.int32), slot)  # the block sees itself
+        mask = mask.dense(kv.cache_len(cache))  # each exit also hides the slots whose K/V stop below it
         logits, exit_, dcache = self.nested(params, draft, tokens, positions, state["cache"], slot,
                                             lambda j: mask & (reached > j)[:, None, :])
         reached = kv.put_rows(reached, jnp.broadcast_to(exit_[:, None] + 1, (b, t)), slot)
