@@ -12,6 +12,7 @@ import pytest
 from s3djax import model, quant
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
+from s3djax.speculative import draft_vocab
 from s3djax.speculative import tree as trees
 from s3djax.speculative.drafters.s2d import S2DDrafter, first_exit
 from s3djax.speculative.drafters.s2d_artifact import init_lora, parse_exits, parse_thresholds
@@ -62,6 +63,8 @@ def case(config, target: str):
     if target == "int8":
         return quant.apply(original, "int8", jnp.float32), draft  # the draft runs on the int8 layers too
     draft["layers"] = model.layers_of(original)[:EXITS[-1]]
+    if target == "vocab":  # a draft vocabulary of the even tokens: the odd ones are never drafted
+        return original, draft_vocab.attach(draft, {"vocab": list(range(0, config.vocab_size, 2))}, original)
     if target == "other-layers":
         keys = iter(jax.random.split(jax.random.key(9), 1000))
         tuned = jax.tree.map(lambda a: a * (1 + 0.1 * jax.random.normal(next(keys), a.shape)),
@@ -106,7 +109,7 @@ def test_the_nested_forward_stops_where_first_exit_says():
         x, logits = drafter.embed(params, tokens), []
         for j in range(3):
             x, _ = drafter._segment(params, draft, j, x, positions, cache[j:j + 1], zero, mask)
-            logits.append(drafter.exit_logits(params, x)[0])
+            logits.append(drafter.exit_logits(params, {}, x)[0])
         prefix = drafter.full_depth(params, draft, tokens, positions, cache, zero, mask)[1]
 
         def one(i):  # token i alone, as a drafted block over the full-depth cache of tokens < i
@@ -121,7 +124,7 @@ def test_the_nested_forward_stops_where_first_exit_says():
     np.testing.assert_allclose(got, logits[want, jnp.arange(t)], atol=1e-4)
 
 
-CASES = [(LLAMA, "chain", "float"), (LLAMA, "chain", "other-layers"), (PHI3, "top2", "int8")]
+CASES = [(LLAMA, "chain", "float"), (LLAMA, "chain", "other-layers"), (PHI3, "top2", "int8"), (LLAMA, "top2", "vocab")]
 
 
 @pytest.mark.parametrize("config, tree, target", CASES, ids=[f"{c.arch}-{t}-{k}" for c, t, k in CASES])

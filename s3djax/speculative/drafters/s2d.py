@@ -48,6 +48,7 @@ from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder, with_layers
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.chain import ChainDrafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -95,8 +96,9 @@ class S2DDrafter(ChainDrafter):
         return run_segment(self.config, params, *self.segments[j], x, positions, seg_cache, slot, mask,
                            lora=draft.get("lora"))
 
-    def exit_logits(self, params, hidden):
-        return Decoder(self.config).apply({"params": params}, hidden, method="exit_logits")
+    def exit_logits(self, params, draft, hidden):
+        """The shared final norm and LM head, or a draft vocabulary's rows of it."""
+        return Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="exit_logits")
 
     def embed(self, params, tokens):
         return Decoder(self.config).apply({"params": params}, tokens, method="embed_tokens")
@@ -118,17 +120,18 @@ class S2DDrafter(ChainDrafter):
         n, b = len(self.exits), tokens.shape[0]
         thresholds = draft["thresholds"]
         x = self.embed(params, tokens)
-        logits = jnp.zeros((b, self.config.vocab_size), jnp.float32)
+        logits = jnp.zeros((b, draft["head"].shape[0] if draft_vocab.has_vocab(draft) else self.config.vocab_size),
+                           jnp.float32)
         stopped, exit_ = jnp.zeros(b, bool), jnp.full(b, n - 1, jnp.int32)
         for j, (lo, hi) in enumerate(self.segments):
             def run(c, j=j):
                 x, seg_cache, logits, stopped, exit_ = c
                 x, seg_cache = self._segment(params, draft, j, x, positions, seg_cache, slot, mask_at(j))
                 if j == n - 1:
-                    here, stop = self.exit_logits(params, x[:, 0]), jnp.ones(b, bool)
+                    here, stop = self.exit_logits(params, draft, x[:, 0]), jnp.ones(b, bool)
                 else:  # a threshold above 1 can never pass: skip that exit's head
                     def scored(h):
-                        out = self.exit_logits(params, h)
+                        out = self.exit_logits(params, draft, h)
                         return out, confidence(out)
                     here, conf = jax.lax.cond(thresholds[j] <= 1.0, scored,
                                               lambda h: (jnp.zeros_like(logits), jnp.zeros(b, jnp.float32)), x[:, 0])
@@ -161,18 +164,17 @@ class S2DDrafter(ChainDrafter):
     def draft(self, params, draft, cache, length, last, state, key, sampling):
         """Block 0 (the committed tail and the root, full depth) here; ChainDrafter drafts the rest."""
         g, n = self.tree.depth, len(self.exits)
-        b, s = last.shape[0], kv.cache_len(cache)
+        b = last.shape[0]
         history = kv.put_rows(state["history"], last[:, None], length)
         start = jnp.maximum(length - g, 0)
         tokens = jax.vmap(lambda h, at: jax.lax.dynamic_slice_in_dim(h, at, g + 1))(history, start)
         positions = start[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None]
-        hidden, dcache = self.full_depth(params, draft, tokens, positions, state["cache"], start,
-                                         kv.causal_mask(start, g + 1, s))
+        hidden, dcache = self.full_depth(params, draft, tokens, positions, state["cache"], start, kv.causal(start, g + 1))
         root = jnp.take_along_axis(hidden, (length - start)[:, None, None], axis=1)[:, 0]
         reached = kv.put_rows(state["reached"], jnp.full((b, g + 1), n, jnp.int32), start)
         # The root's proposal was paid for at full depth: it comes from the deepest exit.
         state = {**state, "cache": dcache, "history": history, "reached": reached,
-                 "exit_counts": state["exit_counts"].at[n - 1].add(b), "root_logits": self.exit_logits(params, root)}
+                 "exit_counts": state["exit_counts"].at[n - 1].add(b), "root_logits": self.exit_logits(params, draft, root)}
         return super().draft(params, draft, cache, length, last, state, key, sampling)
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):

@@ -14,6 +14,7 @@ from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.model import layers_of
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.s2d import S2DDrafter
 
@@ -104,6 +105,7 @@ def build_s2d(m, ar, opts, dtype: str):
     else:
         thresholds, source = default_thresholds(len(exits)), "fallback"
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
+    draft = draft_vocab.attach(draft, meta, m.params)
 
     # The draft file may carry the deepest draft its sweep measured fastest; the paper's 6 otherwise.
     tree = spine(opts.tree, opts.max_draft or meta.get("max_draft", 6), "s2d")
@@ -112,7 +114,7 @@ def build_s2d(m, ar, opts, dtype: str):
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
              f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {tree.depth}, extra draft memory "
-             f"{extra_bytes(params, draft) / 2**20:.1f} MiB")
+             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
 
