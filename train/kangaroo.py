@@ -21,8 +21,8 @@ from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.speculative.draft_params import load_artifact
-from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_exit_layer, deep_plan, default_exit_layer,
-                                           draft_logits, init_adapter, nest_adapter, shallow_plan)
+from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_adapter, check_exit_layer, deep_plan,
+                                           default_exit_layer, draft_logits, init_adapter, shallow_plan)
 from train.config import TrainConfig
 from train import loop
 from train.loop import train
@@ -82,9 +82,9 @@ class KangarooTask:
     def init_trainable(self, m, cfg: TrainConfig, key):
         # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
         # Copies: the trained state is donated each step, and must not alias the frozen params.
-        def load(path):  # adapter files from before the Flax modules are flat
-            adapter, meta = load_artifact(path, jnp.float32)
-            return nest_adapter(adapter), meta
+        def load(path):  # build_kangaroo's own reading: nested, and checked against this model
+            adapter, meta = load_artifact(path, jnp.float32, kind="Kangaroo adapter")
+            return check_adapter(adapter, m.config, path), meta
 
         return warm_start(jax.tree.map(jnp.copy, init_adapter(m.params, m.config, self.exit_layer)), cfg.init_from,
                           f"a Kangaroo adapter for {m.config.arch} at hidden size {m.config.hidden_size}", load)

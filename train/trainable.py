@@ -44,8 +44,7 @@ def warm_start(fresh: dict, path: str | None, what: str, load=None) -> dict:
     """`fresh` (the trainable tree a task starts from), or the same tree read from a draft file (init_from).
 
     Entries the file holds beyond the trainable ones are left out; any other difference in structure or
-    shape is one line of error. `load(path)` reads the file (default
-    `load_artifact` in float32).
+    shape is one line of error. `load(path)` reads the file (default `load_artifact` in float32).
     """
     if not path:
         return fresh
