@@ -153,23 +153,24 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.speculative import draft_vocab
     from s3djax.speculative.drafters.chain import spine
     from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
     from s3djax.speculative.loop import SpecDecoder
 
-    warnings, max_draft = [], None
+    warnings, meta = [], {}
     if opts.skip:
         plan, about = SkipPlan.parse(opts.skip, m.config.num_layers), "--skip"
     elif opts.draft_path not in (None, "none"):
-        (plan, max_draft), about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
+        (plan, meta), about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
     else:
         plan, about = default_draft_plan(m.config.num_layers), "the default plan"
         warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
     # The plan file's max draft where it records one (the shipped plan's: measured fastest), else the paper's 12.
-    tree = spine(opts.tree, opts.max_draft or max_draft or 12, "self-spec")
+    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft") or 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
-    return Built(SpecDecoder.create(ar, drafter), (m.params, {}), warnings,
-                 f"skip {plan.spec()} ({about}), max draft {tree.depth}")
+    return Built(SpecDecoder.create(ar, drafter), (m.params, draft_vocab.attach({}, meta, m.params)), warnings,
+                 f"skip {plan.spec()} ({about}), max draft {tree.depth}" + draft_vocab.about(meta))
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -9,6 +9,7 @@ from s3djax import cache as kv
 from s3djax import methods, model
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import DynamicPlan, SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter, load_plan, save_plan
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
@@ -62,9 +63,11 @@ def random_plan(config, rng) -> SkipPlan:
             return SkipPlan(tuple(map(bool, attn)), tuple(map(bool, mlp)))
 
 
-@pytest.mark.parametrize("config, seed, tree", [(LLAMA, 0, TreeSpec.chain(5)), (PHI3, 1, TreeSpec.spine(4, 2))],
-                         ids=["llama-chain", "phi3-top2"])
-def test_greedy_self_spec_is_ar_token_for_token(config, seed, tree):
+@pytest.mark.parametrize("config, seed, tree, vocab", [(LLAMA, 0, TreeSpec.chain(5), False),
+                                                       (PHI3, 1, TreeSpec.spine(4, 2), False),
+                                                       (LLAMA, 2, TreeSpec.spine(3, 2), True)],
+                         ids=["llama-chain", "phi3-top2", "llama-top2-vocab"])
+def test_greedy_self_spec_is_ar_token_for_token(config, seed, tree, vocab):
     rng = np.random.default_rng(seed)
     params, plan = random_params(config, seed), random_plan(config, rng)
     prompt = rng.integers(0, config.vocab_size, rng.integers(3, 12)).tolist()
@@ -72,7 +75,9 @@ def test_greedy_self_spec_is_ar_token_for_token(config, seed, tree):
     expected = Runner(ar, params).generate(prompt, 40).tokens
     # A low starting threshold drafts deep, so rejections happen at every depth.
     decoder = SpecDecoder.create(ar, SelfSpecDrafter(config, plan, tree, AdaptiveThreshold(0.05)))
-    result = Runner(decoder, (params, {})).generate(prompt, 40)
+    # A draft vocabulary of the even tokens: the odd ones are never drafted, only emitted by verification.
+    draft = draft_vocab.attach({}, {"vocab": list(range(0, config.vocab_size, 2))} if vocab else {}, params)
+    result = Runner(decoder, (params, draft)).generate(prompt, 40)
     assert result.tokens == expected, plan.spec()
     assert result.stats["mean_drafted"] > 0 and result.stats["verify_steps"] < 40
 
@@ -116,7 +121,8 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(tmp_path):
 
     plan = SkipPlan.parse("3.attn,5-7.mlp,9", 12)
     save_plan(str(tmp_path / "p.yaml"), plan, {"objective_ms_per_token": 1.5})
-    assert load_plan(str(tmp_path / "p.yaml"), 12) == (plan, None)
+    assert load_plan(str(tmp_path / "p.yaml"), 12) == (plan, {"skip": plan.spec(), "num_layers": 12,
+                                                           "objective_ms_per_token": 1.5})
     with pytest.raises(UserError, match="12 layers"):
         load_plan(str(tmp_path / "p.yaml"), 30)
     (tmp_path / "bad.yaml").write_text("- not a mapping\n")
@@ -125,7 +131,7 @@ def test_a_plan_file_round_trips_and_bad_ones_are_refused(tmp_path):
     with pytest.raises(UserError, match="no such"):
         load_plan(str(tmp_path / "missing.yaml"), 12)
     save_plan(str(tmp_path / "deep.yaml"), plan, {"max_draft": 4})
-    assert load_plan(str(tmp_path / "deep.yaml"), 12) == (plan, 4)
+    assert load_plan(str(tmp_path / "deep.yaml"), 12)[1]["max_draft"] == 4
     save_plan(str(tmp_path / "zero.yaml"), plan, {"max_draft": 0})
     with pytest.raises(UserError, match="max_draft must be a whole number of at least 1, got 0"):
         load_plan(str(tmp_path / "zero.yaml"), 12)
@@ -136,7 +142,8 @@ def test_the_shipped_plan_brings_its_measured_max_draft(smollm2):
 
     built = methods.build("self-spec", smollm2, max_cache_len=128)
     # benchmarks/results/chain-max-draft-cpu-2026-11-24.md measured it fastest.
-    assert built.decoder.drafter.tree.depth == 1 and built.draft.endswith("max draft 1")
+    assert built.decoder.drafter.tree.depth == 1 and built.draft.endswith("max draft 1, vocabulary 8192")
+    assert built.params[1]["head"].shape == (8192, smollm2.config.hidden_size)
     assert methods.build("self-spec", smollm2, max_cache_len=128, max_draft=3).decoder.drafter.tree.depth == 3
     assert methods.build("self-spec", smollm2, max_cache_len=128, skip="13").decoder.drafter.tree.depth == 12
 
@@ -151,3 +158,29 @@ def test_smollm2_self_spec_equals_ar(smollm2):
                           tree="top2")
     result = Runner(built.decoder, built.params).generate(ids, 24)
     assert result.tokens == expected and result.stats["mean_drafted"] > 0
+
+
+def test_a_plan_file_takes_a_draft_vocabulary(smollm2, tmp_path):
+    import json
+
+    from s3djax.errors import UserError
+    from train.draft_vocab import main as draft_vocab_main
+
+    rows = np.random.default_rng(0).integers(3, 500, (4, 16)).astype(np.int32)  # answers only from ids 3..499
+    for split in ("train", "eval"):
+        np.savez(tmp_path / f"{split}-00000.npz", tokens=rows, loss_mask=np.ones_like(rows, np.uint8),
+                 lengths=np.full(4, 16, np.int32))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "s3djax-token-shards/1", "vocab_size": 49152, "splits": {
+        s: {"shards": [f"{s}-00000.npz"], "rows": 4} for s in ("train", "eval")}}))
+    plan = SkipPlan.parse("10-19.mlp,12-17.attn", 30)
+    save_plan(str(tmp_path / "plan.yaml"), plan, {"max_draft": 2})
+    draft_vocab_main(["--data", str(tmp_path), "--size", "600", "--sharegpt", "20", "--draft", str(tmp_path / "plan.yaml"),
+                      "--out", str(tmp_path / "vocab.yaml")])
+    loaded, record = load_plan(str(tmp_path / "vocab.yaml"), 30)
+    assert loaded == plan and record["max_draft"] == 2 and record["vocab_coverage"] == 1.0
+    assert len(record["vocab"]) == 600 and set(np.unique(rows).tolist()) <= set(record["vocab"])
+    built = methods.build("self-spec", smollm2, max_cache_len=128, draft_path=str(tmp_path / "vocab.yaml"))
+    assert built.draft.endswith("max draft 2, vocabulary 600") and built.params[1]["head"].shape == (600, 576)
+    save_plan(str(tmp_path / "bad.yaml"), plan, {"vocab": [5, 49152]})
+    with pytest.raises(UserError, match="token ids in 0..49151"):
+        methods.build("self-spec", smollm2, max_cache_len=128, draft_path=str(tmp_path / "bad.yaml"))

@@ -8,16 +8,22 @@ simply never drafted. The draft params then carry "vocab" [V_draft] int32 and "h
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from s3djax import quant
+from s3djax.errors import UserError
 
 
 def attach(draft: dict, meta: dict, params) -> dict:
     """The draft with its vocabulary's ids and head rows (taken once, at build time), if its file has one."""
     if not meta.get("vocab"):
         return draft
-    ids = jnp.asarray(meta["vocab"], jnp.int32)
-    return {**draft, "vocab": ids, "head": quant.rows(params.get("lm_head", params["embed"]), ids)}
+    table = params.get("lm_head", params["embed"])
+    ids = np.asarray(meta["vocab"])
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= table.shape[0]:
+        raise UserError(f"the draft vocabulary must be token ids in 0..{table.shape[0] - 1}")
+    ids = jnp.asarray(ids, jnp.int32)
+    return {**draft, "vocab": ids, "head": quant.rows(table, ids)}
 
 
 def about(meta: dict) -> str:

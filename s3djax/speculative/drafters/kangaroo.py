@@ -151,8 +151,12 @@ class KangarooDrafter(ChainDrafter):
         exits = kv.put_rows(state["exit"], x, slot - state["length"])
         # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
-        return (draft_logits(params, hidden[:, 0], self.config, draft.get("head")), cache,
-                {**state, "exit": exits, "adapter": layer})
+        # The deepest block proposes nothing (`ChainDrafter` drops its logits): skip its head.
+        deepest = (slot - state["length"])[0] == self.tree.num_nodes - self.tree.max_rank - 1
+        width = draft["head"].shape[0] if draft_vocab.has_vocab(draft) else self.config.vocab_size
+        logits = jax.lax.cond(deepest, lambda h: jnp.zeros((h.shape[0], width), jnp.float32),
+                              lambda h: draft_logits(params, h, self.config, draft.get("head")), hidden[:, 0])
+        return logits, cache, {**state, "exit": exits, "adapter": layer}
 
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) > self.eta

@@ -14,10 +14,12 @@ import os
 import jax.numpy as jnp
 import yaml
 
+from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.errors import UserError
 from s3djax.skip_plan import DynamicPlan, SkipPlan
+from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.chain import ChainDrafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -54,6 +56,8 @@ class AdaptiveThreshold:
 
 @dataclasses.dataclass(frozen=True)
 class SelfSpecDrafter(ChainDrafter):
+    """Draft params: {} (the plan is static), {"attn", "mlp"} flags (the search's traced plan), or a draft
+    vocabulary's {"vocab", "head"} (the plan file's "vocab", `train.draft_vocab`)."""
     config: ModelConfig
     plan: SkipPlan | None  # None: the plan is traced, from the draft params {"attn", "mlp"} (the search)
     tree: TreeSpec
@@ -66,6 +70,8 @@ class SelfSpecDrafter(ChainDrafter):
         dynamic = None if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
         decoder, variables = Decoder(self.config, self.plan), {"params": params}
         hidden, cache = decoder.apply(variables, tokens, positions, cache, slot, mask, dynamic=dynamic)
+        if draft_vocab.has_vocab(draft):
+            return quant.head(hidden[:, 0], draft["head"]), cache, state
         return decoder.apply(variables, hidden[:, 0], method="logits"), cache, state
 
     def confident(self, state, probs):
@@ -85,11 +91,14 @@ def save_plan(path: str, plan: SkipPlan, meta: dict) -> None:
     """A searched plan as YAML: the skip spec string (as --skip takes it) and how it was found."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        yaml.safe_dump({"skip": plan.spec(), "num_layers": plan.num_layers, **meta}, f, sort_keys=False)
+        # Flow style for lists of scalars: a draft vocabulary's 8k ids stay a few lines, not 8k.
+        yaml.safe_dump({"skip": plan.spec(), "num_layers": plan.num_layers, **meta}, f, sort_keys=False,
+                       default_flow_style=None, width=120)
 
 
-def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, int | None]:
-    """The plan, and the max draft the file records (the search's, or the one measured fastest with it)."""
+def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, dict]:
+    """The plan, and the file's record: how it was found, the max draft it records (the search's, or the
+    one measured fastest with it) and any draft vocabulary."""
     if not os.path.isfile(path):
         raise UserError(f"no such skip plan file: {path}")
     try:
@@ -103,4 +112,4 @@ def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, int | None]:
     max_draft = record.get("max_draft")
     if max_draft is not None and not (isinstance(max_draft, int) and max_draft >= 1):
         raise UserError(f"{path}: max_draft must be a whole number of at least 1, got {max_draft!r}")
-    return SkipPlan.parse(spec, num_layers), max_draft
+    return SkipPlan.parse(spec, num_layers), record
