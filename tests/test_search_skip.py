@@ -52,8 +52,8 @@ def test_search_writes_a_valid_plan_and_resumes(tiny, evaluator, tmp_path):
     # The hand-made seed plans go first.
     assert lines[0]["skip"] == search_skip.seed_plans(LLAMA.num_layers)[0].spec()
 
-    plan, max_draft = load_plan(result["path"], LLAMA.num_layers)
-    assert plan == result["plan"] and not plan.is_full and max_draft == CFG.max_draft  # the depth it searched at
+    plan, record = load_plan(result["path"], LLAMA.num_layers)
+    assert plan == result["plan"] and not plan.is_full and record["max_draft"] == CFG.max_draft  # the depth it searched at
     meta = yaml.safe_load(open(result["path"]))
     assert meta["trials"] == 4 and meta["ar_ms_per_token"] > 0 and meta["ms_per_token"] > 0
     assert meta["dev_set"]["dataset"] == "test" and meta["dev_set"]["prompts"] == len(PROMPTS)
