@@ -42,5 +42,10 @@ def full_probs(draft, q, vocab_size: int):
     return jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., draft["vocab"]].set(q)
 
 
+def logits_width(draft, vocab_size: int) -> int:
+    """How many logits the draft scores: its vocabulary's size, else the whole vocabulary."""
+    return draft["head"].shape[0] if has_vocab(draft) else vocab_size
+
+
 def has_vocab(draft) -> bool:
     return isinstance(draft, dict) and "vocab" in draft

@@ -153,7 +153,7 @@ class KangarooDrafter(ChainDrafter):
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
         # The deepest block proposes nothing (`ChainDrafter` drops its logits): skip its head.
         deepest = (slot - state["length"])[0] == self.tree.num_nodes - self.tree.max_rank - 1
-        width = draft["head"].shape[0] if draft_vocab.has_vocab(draft) else self.config.vocab_size
+        width = draft_vocab.logits_width(draft, self.config.vocab_size)
         logits = jax.lax.cond(deepest, lambda h: jnp.zeros((h.shape[0], width), jnp.float32),
                               lambda h: draft_logits(params, h, self.config, draft.get("head")), hidden[:, 0])
         return logits, cache, {**state, "exit": exits, "adapter": layer}

@@ -120,8 +120,7 @@ class S2DDrafter(ChainDrafter):
         n, b = len(self.exits), tokens.shape[0]
         thresholds = draft["thresholds"]
         x = self.embed(params, tokens)
-        logits = jnp.zeros((b, draft["head"].shape[0] if draft_vocab.has_vocab(draft) else self.config.vocab_size),
-                           jnp.float32)
+        logits = jnp.zeros((b, draft_vocab.logits_width(draft, self.config.vocab_size)), jnp.float32)
         stopped, exit_ = jnp.zeros(b, bool), jnp.full(b, n - 1, jnp.int32)
         for j, (lo, hi) in enumerate(self.segments):
             def run(c, j=j):
