@@ -76,11 +76,13 @@ class Decoder(nn.Module):
     def exit_logits(self, x, head=None):
         """The final norm and LM head over a residual stream that left the stack early (exits, adapters);
         `head`: some rows of the LM head instead (a draft vocabulary's)."""
-        return self.logits(self.final_norm(x)) if head is None else quant.head(self.final_norm(x), head)
+        return self.logits(self.final_norm(x), head)
 
-    def logits(self, hidden):
-        """LM-head logits in fp32."""
-        return quant.head(hidden, self.embed if self.config.tie_word_embeddings else self.lm_head)
+    def logits(self, hidden, head=None):
+        """LM-head logits in fp32 over final-normed states; `head`: some rows of it (a draft vocabulary's)."""
+        if head is None:
+            head = self.embed if self.config.tie_word_embeddings else self.lm_head
+        return quant.head(hidden, head)
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:

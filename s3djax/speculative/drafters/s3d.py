@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from s3djax import cache as kv
-from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits
@@ -44,9 +43,7 @@ class S3DDrafter(Drafter):
         mask = kv.causal(length, self.gamma)
         hidden, cache = decoder.apply(variables, None, positions, cache, length, mask,
                                       embeds=jnp.concatenate([first, masks], axis=1), lora=draft.get("lora"))
-        if draft_vocab.has_vocab(draft):
-            return quant.head(hidden, draft["head"]), cache
-        return decoder.apply(variables, hidden, method="logits"), cache
+        return decoder.apply(variables, hidden, draft.get("head"), method="logits"), cache
 
     def init_state(self, params, draft, prompt, lengths, cache):
         # A dynamic tree changes every step: the loop carries the one drafted to its verification.

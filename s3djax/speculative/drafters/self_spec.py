@@ -14,12 +14,10 @@ import os
 import jax.numpy as jnp
 import yaml
 
-from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.errors import UserError
 from s3djax.skip_plan import DynamicPlan, SkipPlan
-from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.chain import ChainDrafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -70,9 +68,7 @@ class SelfSpecDrafter(ChainDrafter):
         dynamic = None if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
         decoder, variables = Decoder(self.config, self.plan), {"params": params}
         hidden, cache = decoder.apply(variables, tokens, positions, cache, slot, mask, dynamic=dynamic)
-        if draft_vocab.has_vocab(draft):
-            return quant.head(hidden[:, 0], draft["head"]), cache, state
-        return decoder.apply(variables, hidden[:, 0], method="logits"), cache, state
+        return decoder.apply(variables, hidden[:, 0], draft.get("head"), method="logits"), cache, state
 
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) >= state["threshold"]
