@@ -209,7 +209,7 @@ def main(argv=None):
     from s3djax.generator import Generator
 
     if args.gamma is None:  # recorded as it ran, for readers of results.json (benchmarks.projection)
-        args.gamma = default_gamma(args.tree)
+        args.gamma = default_gamma(args.tree or "chain")
     unknown = [name for name in args.methods if name not in METHODS + peers.PEERS]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS + peers.PEERS)}")
@@ -283,7 +283,7 @@ def markdown(record: dict) -> str:
              f"- device: {record['device']}",
              f"- date: {record['date']}; commit {record['commit']}",
              f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
-             f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree']}",
+             f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}",
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "

@@ -47,8 +47,9 @@ class Parser(argparse.ArgumentParser):
                           "depth, else the platform's measured fastest: 1 on a CPU, the paper's 4 elsewhere)")
         self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo and "
                           "s2d (default: the one their file records as measured fastest, else the paper's 6)")
-        self.add_argument("--tree", default="chain", help="token tree: chain, topK (the chain plus the next K-1 "
-                          "candidates at each depth), dynamic-N (s3d: the N likeliest paths by the draft's joint "
+        self.add_argument("--tree", help="token tree: chain, topK (the chain plus the next K-1 "
+                          "candidates at each depth; default: the one the draft's file records as measured fastest, "
+                          "else chain), dynamic-N (s3d: the N likeliest paths by the draft's joint "
                           "probabilities, chosen every step), or a name in configs/trees (s3d)")
         self.add_argument("--exit-layer", type=int, help="kangaroo: the early-exit layer (default: the adapter's)")
         self.add_argument("--eta", type=float, help="kangaroo: stop drafting at top-1 confidence <= eta (default: "

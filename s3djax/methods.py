@@ -45,7 +45,7 @@ class Options:
     """Every method's CLI-level choices; each method reads its own."""
     skip: str = ""                  # ar: the model's skip plan; s3d: the draft's
     gamma: int | None = None        # s3d: positions drafted per step (None: `default_gamma`)
-    tree: str = "chain"
+    tree: str | None = None         # None: the draft file's recorded tree, else the chain
     draft_path: str | None = None   # None: the model's shipped artifact for the method; "none": untrained
     max_draft: int | None = None    # autoregressive drafters: the deepest draft (default per method)
     exit_layer: int | None = None   # kangaroo
@@ -128,7 +128,8 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
-    gamma = default_gamma(opts.tree) if opts.gamma is None else opts.gamma
+    tree = opts.tree or "chain"
+    gamma = default_gamma(tree) if opts.gamma is None else opts.gamma
     if gamma < 1:
         raise UserError(f"--gamma must be at least 1, got {gamma}")
     path = opts.draft_path
@@ -146,7 +147,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
-    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
+    drafter = S3DDrafter(m.config, plan, trees.resolve(tree, gamma), gamma)
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
                  + draft_vocab.about(meta))
@@ -166,11 +167,12 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     else:
         plan, about = default_draft_plan(m.config.num_layers), "the default plan"
         warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
-    # The plan file's max draft where it records one (the shipped plan's: measured fastest), else the paper's 12.
-    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft") or 12, "self-spec")
+    # The plan file's tree and max draft where it records them (the shipped plan's: measured fastest), else the
+    # paper's chain of 12.
+    tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft_vocab.attach({}, meta, m.params)), warnings,
-                 f"skip {plan.spec()} ({about}), max draft {tree.depth}" + draft_vocab.about(meta))
+                 f"skip {plan.spec()} ({about}), max draft {tree.depth}, tree {tree.spine_name}" + draft_vocab.about(meta))
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -269,12 +269,16 @@ def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
     assert got == Runner(ARDecoder(TINY, 64, eos_ids=()), m.params).generate([1, 2, 3], 12).tokens
 
 
-def test_the_shipped_adapter_brings_its_measured_eta_and_max_draft(smollm2):
+def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2):
     from s3djax import methods
 
     built = methods.build("kangaroo", smollm2, max_cache_len=128)
     drafter = built.decoder.drafter
-    # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md and kangaroo-exit-cpu-2026-11-23.md measured these fastest.
-    assert (drafter.eta, drafter.tree.depth) == (0.0, 1) and "eta 0.0, max draft 1" in built.draft
-    drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3).decoder.drafter
-    assert (drafter.eta, drafter.tree.depth) == (0.5, 3)  # the flags override the file
+    # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md, kangaroo-exit-cpu-2026-11-23.md and
+    # spine-width-cpu-2026-11-24.md measured these fastest.
+    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 1, 4)
+    assert "eta 0.0, max draft 1, tree top4" in built.draft
+    drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3, tree="chain").decoder.drafter
+    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.5, 3, 1)  # the flags override the file
+    # A file that records no tree drafts the chain (the S2D draft records none).
+    assert methods.build("s2d", smollm2, max_cache_len=128).decoder.drafter.tree.spine_name == "chain"

@@ -88,6 +88,12 @@ class TreeSpec:
         return width if self == TreeSpec.spine(self.depth, width) else None
 
     @property
+    def spine_name(self) -> str | None:
+        """The name `resolve` knows a spine tree by: chain or topK."""
+        width = self.spine_width
+        return None if width is None else "chain" if width == 1 else f"top{width}"
+
+    @property
     def path_table(self) -> np.ndarray:
         """[N, depth + 1]: row i lists node i's ancestors by depth (root first), padded with i itself."""
         parents, depths = self.parents, self.node_depths

@@ -219,9 +219,10 @@ def build_kangaroo(m, ar, opts, dtype: str):
     eta = opts.eta if opts.eta is not None else meta.get("eta", 0.6)
     if not 0 <= eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {eta}")
-    # Likewise the deepest draft: the file's measured fastest, else the paper's 6.
-    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft", 6), "kangaroo")
+    # Likewise the tree and the deepest draft: the file's measured fastest, else the paper's chain of 6.
+    tree = spine(opts.tree, opts.max_draft, meta, 6, "kangaroo")
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {tree.depth}"
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {tree.depth}, "
+                 f"tree {tree.spine_name}"
                  + draft_vocab.about(meta))

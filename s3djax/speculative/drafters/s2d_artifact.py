@@ -107,13 +107,13 @@ def build_s2d(m, ar, opts, dtype: str):
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
     draft = draft_vocab.attach(draft, meta, m.params)
 
-    # The draft file may carry the deepest draft its sweep measured fastest; the paper's 6 otherwise.
-    tree = spine(opts.tree, opts.max_draft or meta.get("max_draft", 6), "s2d")
+    # The draft file may carry the tree and deepest draft measured fastest; the paper's chain of 6 otherwise.
+    tree = spine(opts.tree, opts.max_draft, meta, 6, "s2d")
     drafter = S2DDrafter(m.config, tree, exits)
     if full_mode:
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
-             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {tree.depth}, extra draft memory "
+             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {tree.depth}, tree {tree.spine_name}, extra draft memory "
              f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
