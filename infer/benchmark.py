@@ -209,7 +209,7 @@ def main(argv=None):
     from s3djax.generator import Generator
 
     if args.gamma is None:  # recorded as it ran, for readers of results.json (benchmarks.projection)
-        args.gamma = default_gamma(args.tree or "chain")
+        args.gamma = default_gamma(args.tree)
     unknown = [name for name in args.methods if name not in METHODS + peers.PEERS]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS + peers.PEERS)}")

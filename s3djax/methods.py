@@ -25,12 +25,12 @@ FASTEST_GAMMA = {"cpu": 1}
 PAPER_GAMMA = 4
 
 
-def default_gamma(tree: str) -> int:
+def default_gamma(tree: str | None) -> int:
     """gamma when none is given: a named tree's own depth, a dynamic tree the paper's (the depth of
     the static trees it stands in for), else the platform's measured fastest."""
     from s3djax.speculative import tree as trees
 
-    if tree.startswith("dynamic-"):
+    if tree and tree.startswith("dynamic-"):
         return PAPER_GAMMA
     return trees.named_depth(tree) or FASTEST_GAMMA.get(jax.default_backend(), PAPER_GAMMA)
 
@@ -45,7 +45,7 @@ class Options:
     """Every method's CLI-level choices; each method reads its own."""
     skip: str = ""                  # ar: the model's skip plan; s3d: the draft's
     gamma: int | None = None        # s3d: positions drafted per step (None: `default_gamma`)
-    tree: str | None = None         # None: the draft file's recorded tree, else the chain
+    tree: str | None = None         # None: the draft file's recorded tree (autoregressive drafters), else the chain
     draft_path: str | None = None   # None: the model's shipped artifact for the method; "none": untrained
     max_draft: int | None = None    # autoregressive drafters: the deepest draft (default per method)
     exit_layer: int | None = None   # kangaroo
@@ -128,8 +128,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
-    tree = opts.tree or "chain"
-    gamma = default_gamma(tree) if opts.gamma is None else opts.gamma
+    gamma = default_gamma(opts.tree) if opts.gamma is None else opts.gamma
     if gamma < 1:
         raise UserError(f"--gamma must be at least 1, got {gamma}")
     path = opts.draft_path
@@ -147,7 +146,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
-    drafter = S3DDrafter(m.config, plan, trees.resolve(tree, gamma), gamma)
+    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
                  + draft_vocab.about(meta))
@@ -155,7 +154,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative import draft_vocab
-    from s3djax.speculative.drafters.chain import spine
+    from s3djax.speculative.drafters.chain import about_spine, spine
     from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
     from s3djax.speculative.loop import SpecDecoder
 
@@ -172,7 +171,7 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft_vocab.attach({}, meta, m.params)), warnings,
-                 f"skip {plan.spec()} ({about}), max draft {tree.depth}, tree {tree.spine_name}" + draft_vocab.about(meta))
+                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta))
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

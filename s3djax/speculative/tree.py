@@ -265,10 +265,10 @@ def named_depth(name: str) -> int | None:
     return TreeSpec.from_paths(paths).depth if paths else None
 
 
-def resolve(name: str, gamma: int) -> TreeSpec | DynamicTree:
-    """`chain` is a chain of gamma nodes, `topK` (top2, top3, ...) a gamma-deep spine of width K,
-    `dynamic-N` N nodes chosen each step; other names come from configs/trees/."""
-    if name == "chain":
+def resolve(name: str | None, gamma: int) -> TreeSpec | DynamicTree:
+    """`chain` (also None, the default) is a chain of gamma nodes, `topK` (top2, top3, ...) a gamma-deep
+    spine of width K, `dynamic-N` N nodes chosen each step; other names come from configs/trees/."""
+    if name in (None, "chain"):
         return TreeSpec.chain(gamma)
     if name.startswith("top") and name[3:].isdigit() and int(name[3:]) >= 1:
         return TreeSpec.spine(gamma, int(name[3:]))

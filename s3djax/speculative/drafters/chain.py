@@ -29,11 +29,14 @@ from s3djax.speculative.tree import TreeSpec, resolve
 def spine(tree: str | None, max_draft: int | None, record: dict, paper_depth: int, method: str) -> TreeSpec:
     """The drafter's tree, which must be a spine (chain or topK). Options left unset (None) take what the
     draft's file records as measured fastest, else the chain at the paper's depth."""
-    name = tree or record.get("tree", "chain")
-    tree = resolve(name, max_draft or record.get("max_draft") or paper_depth)
+    tree = resolve(tree or record.get("tree"), max_draft or record.get("max_draft") or paper_depth)
     if tree.spine_width is None:
         raise UserError(f"{method} drafts one token after another, so its tree must be chain or topK (top2, ...)")
     return tree
+
+
+def about_spine(tree: TreeSpec) -> str:
+    return f"max draft {tree.depth}, tree {tree.spine_name}"
 
 
 class ChainDrafter(Drafter):

@@ -40,7 +40,7 @@ from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab, verify
-from s3djax.speculative.drafters.chain import ChainDrafter, spine
+from s3djax.speculative.drafters.chain import ChainDrafter, about_spine, spine
 from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 
@@ -223,6 +223,5 @@ def build_kangaroo(m, ar, opts, dtype: str):
     tree = spine(opts.tree, opts.max_draft, meta, 6, "kangaroo")
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, max draft {tree.depth}, "
-                 f"tree {tree.spine_name}"
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, {about_spine(tree)}"
                  + draft_vocab.about(meta))

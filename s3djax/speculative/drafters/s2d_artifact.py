@@ -71,7 +71,7 @@ def build_s2d(m, ar, opts, dtype: str):
     target itself: the loaded model, or with opts.target_from's full-mode S3D layers in place."""
     from s3djax.loading import DTYPES
     from s3djax.speculative.draft_params import load_artifact
-    from s3djax.speculative.drafters.chain import spine
+    from s3djax.speculative.drafters.chain import about_spine, spine
     from s3djax.speculative.loop import SpecDecoder
 
     path, warnings = opts.draft_path, []
@@ -113,7 +113,7 @@ def build_s2d(m, ar, opts, dtype: str):
     if full_mode:
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
-             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), max draft {tree.depth}, tree {tree.spine_name}, extra draft memory "
+             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree)}, extra draft memory "
              f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
