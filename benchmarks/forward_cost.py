@@ -6,10 +6,15 @@ method's draft and verify steps are timed at each chain length g with its shippe
 tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first, cheapest exit).
 
     python -m benchmarks.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--cache-len 2048] [--repeats 10]
+        [--paths kernel,xla]
+
+On the CPU, `--paths` times the native decode matmul (`cpu_kernels`, packed weights) and XLA's dot in
+one process, each against its own T = 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from benchmarks import report
@@ -17,6 +22,8 @@ from infer.cli import Parser, run
 
 TOKENS = (1, 2, 3, 4, 5, 8, 9, 17)
 
+
+PATHS = {"kernel": "kernel: the CPU decode matmul on packed weights (cpu_kernels)", "xla": "xla: XLA's dot"}
 
 # The speed each method is meant to reach over `ar` (the project's goals on MT-Bench).
 GOALS = {"s3d": 1.5, "self-spec": 1.0, "kangaroo": 1.3, "s2d": 1.2}
@@ -46,10 +53,13 @@ def main():
     p.add_argument("--gammas", default=[1, 2, 4, 8], type=gamma_list,
                    help="chain lengths (drafted tokens per step) whose steps are timed, e.g. 1,2,4,8")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--paths", default=["kernel"], type=method_list,
+                   help="matmul paths to time, in order: kernel (the CPU kernel where it runs), xla")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    args.methods = [x for x in args.methods if x]
     p.check(args, gammas=all(g >= 1 and g + 1 in TOKENS for g in args.gammas),
-            methods=set(args.methods) <= set(GOALS))
+            methods=set(args.methods) <= set(GOALS), paths=set(args.paths) <= {"kernel", "xla"})
 
     import jax.numpy as jnp
 
@@ -58,39 +68,52 @@ def main():
     from s3djax.loading import load_model
     from s3djax.speculative.profile import forward_step, ms_per_step, step_times
 
-    m = load_model("smollm2-135m", dtype=args.dtype)
+    loaded = load_model("smollm2-135m", dtype=args.dtype)
     prompt = [(7 * i) % 1000 + 100 for i in range(args.context)]
     ms, steps, about = {}, {}, {}
-    for method in args.methods:
-        for g in args.gammas:
-            built = methods.build(method, m, max_cache_len=args.cache_len, dtype=args.dtype, **chain_options(method, g))
-            about.setdefault(method, built.draft)
-            state = Runner(built.decoder, built.params).prefill(prompt)
-            if not ms:
-                ar, params, cache, length = built.decoder.ar, built.params[0], state["cache"], state["length"]
-                for t in TOKENS:
-                    step = forward_step(ar, jnp.full((1, t), 100, jnp.int32), length)
-                    ms[t], cache = ms_per_step(step, params, cache, args.repeats)
-                state["cache"] = cache
-            steps[method, g] = step_times(built.decoder, built.params, state, repeats=args.repeats)
+    for path in args.paths:
+        m = dataclasses.replace(loaded, config=loaded.config.replace(cpu_kernel=path == "kernel"))
+        for method in args.methods or ["ar"]:
+            for g in args.gammas if args.methods else [1]:
+                options = chain_options(method, g) if method != "ar" else {}
+                built = methods.build(method, m, max_cache_len=args.cache_len, dtype=args.dtype, **options)
+                about.setdefault(method, built.draft)
+                state = Runner(built.decoder, built.params).prefill(prompt)
+                if (path, 1) not in ms:
+                    ar, params = (built.decoder, built.params) if method == "ar" else (built.decoder.ar, built.params[0])
+                    cache, length = state["cache"], state["length"]
+                    for t in TOKENS:
+                        step = forward_step(ar, jnp.full((1, t), 100, jnp.int32), length)
+                        ms[path, t], cache = ms_per_step(step, params, cache, args.repeats)
+                    state["cache"] = cache
+                if method != "ar":
+                    steps[path, method, g] = step_times(built.decoder, built.params, state, repeats=args.repeats)
+    first = args.paths[0]
     lines = [f"# Forward cost over T new tokens, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- cache length {args.cache_len}, {args.context} committed tokens; causal attention and the full "
-             f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, median of 3", "",
-             "| T new tokens | ms | vs T = 1 |", "| --- | --- | --- |"]
-    lines += [f"| {t} | {ms[t]:.1f} | {ms[t] / ms[1]:.2f}x |" for t in TOKENS]
-    lines += ["", "Chains of g drafts with each method's shipped draft, every draft made (Kangaroo at eta 0, S2D at "
-              "thresholds 0: each token leaves at the first exit). The tau a step must commit to break even with "
-              "`ar` (T = 1 above) and to reach the method's goal, and the most any draft could reach: every "
-              "draft accepted (tau = g + 1) at this draft's cost, and at no draft cost at all.", ""]
-    lines += [f"- {method}: {text}" for method, text in about.items()]
-    lines += ["", "| method | g | draft step ms | verify step ms | tau for 1.0x | goal | tau for the goal | max tau | "
-              "speedup, all accepted | speedup, all accepted, free draft |", "| --- |" + " --- |" * 9]
-    for (method, g), t in steps.items():
-        step = t["draft_step_ms"] + t["verify_step_ms"]
-        lines.append(f"| {method} | {g} | {t['draft_step_ms']:.1f} | {t['verify_step_ms']:.1f} | {step / ms[1]:.2f} | "
-                     f"{GOALS[method]}x | {GOALS[method] * step / ms[1]:.2f} | {g + 1} | {(g + 1) * ms[1] / step:.2f}x | "
-                     f"{(g + 1) * ms[1] / t['verify_step_ms']:.2f}x |")
+             f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, median of 3",
+             f"- matmul paths: {', '.join(PATHS[p] for p in args.paths)}", "",
+             "| T new tokens | " + " | ".join(f"{p} ms | {p} vs its T = 1" for p in args.paths)
+             + (f" | {first} vs {args.paths[1]} |" if len(args.paths) > 1 else " |"),
+             "| --- |" + " --- | --- |" * len(args.paths) + (" --- |" if len(args.paths) > 1 else "")]
+    for t in TOKENS:
+        cells = " | ".join(f"{ms[p, t]:.1f} | {ms[p, t] / ms[p, 1]:.2f}x" for p in args.paths)
+        lines.append(f"| {t} | {cells} |" + (f" {ms[args.paths[1], t] / ms[first, t]:.2f}x faster |"
+                                              if len(args.paths) > 1 else ""))
+    if steps:
+        lines += ["", "Chains of g drafts with each method's shipped draft, every draft made (Kangaroo at eta 0, S2D at "
+                  "thresholds 0: each token leaves at the first exit). The tau a step must commit to break even with "
+                  "`ar` (T = 1 above, same path) and to reach the method's goal, and the most any draft could reach: "
+                  "every draft accepted (tau = g + 1) at this draft's cost, and at no draft cost at all.", ""]
+        lines += [f"- {method}: {text}" for method, text in about.items() if method != "ar"]
+        lines += ["", "| path | method | g | draft step ms | verify step ms | tau for 1.0x | goal | tau for the goal | "
+                  "max tau | speedup, all accepted | speedup, all accepted, free draft |", "| --- |" + " --- |" * 10]
+        for (path, method, g), t in steps.items():
+            step, one = t["draft_step_ms"] + t["verify_step_ms"], ms[path, 1]
+            lines.append(f"| {path} | {method} | {g} | {t['draft_step_ms']:.1f} | {t['verify_step_ms']:.1f} | "
+                         f"{step / one:.2f} | {GOALS[method]}x | {GOALS[method] * step / one:.2f} | {g + 1} | "
+                         f"{(g + 1) * one / step:.2f}x | {(g + 1) * one / t['verify_step_ms']:.2f}x |")
     report.write(args.out, "forward_cost", "\n".join(lines))
 
 

@@ -30,8 +30,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d, and the Hugging Face peers "
-                   "hf-ar, hf-early-exit, hf-prompt-lookup (skipped with a note where torch is missing)")
+                   help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d; ar-xla (ar with "
+                   "XLA's dot instead of the CPU matmul kernel); the Hugging Face peers hf-ar, hf-early-exit, "
+                   "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
+                   "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is)")
     p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
     p.add_argument("--mt-bench-turns", type=int, choices=(1, 2), default=1)
     p.add_argument("--limit", default=None, help="prompts per dataset (default: all): N for every set, or "
@@ -141,6 +143,32 @@ class JaxMethod:
                 **({k: r.stats[k] for k in ("accepted_per_step", "drafted_per_step")} if r.stats else {})}
 
 
+class LlamaCppMethod:
+    """A llama.cpp peer on the model's own GGUF; memory counts its file and a KV cache as long as ours."""
+
+    def __init__(self, name, gguf, m, args):
+        from infer import llamacpp
+
+        llm = llamacpp.model(name, gguf, n_ctx=args.max_cache_len)
+        self.run_peer = llamacpp.peer(llm, m.eos_ids)
+        self.warnings, self.depth = [], 0
+        path = llamacpp.gguf_for(name, gguf)
+        self.about = f"llama-cpp-python {_version('llama_cpp')}, {os.path.basename(path)}"
+        self.memory_bytes = os.path.getsize(path) + kv_cache_bytes(m.config, args)
+
+    def __call__(self, ids, n):
+        return self.run_peer(ids, n)
+
+
+def _version(module: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(module.replace("_", "-") + ("-python" if module == "llama_cpp" else ""))
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 class PeerMethod:
     """A transformers peer; memory counts its parameters and a KV cache as long as ours."""
 
@@ -157,12 +185,27 @@ class PeerMethod:
 
 
 def build_methods(args, gen, prompts_for_tuning, notes):
-    from infer import peers
+    import dataclasses
+
+    from infer import llamacpp, peers
+    from s3djax.generator import Generator
 
     m, built, hf = gen.model, {}, []  # one transformers model serves every peer
     for name in args.methods:
         if name in METHODS:
             built[name] = JaxMethod(name, gen, args)
+        elif name == "ar-xla":  # the same weights, unpacked, every product through XLA's dot
+            xla = Generator.from_model(dataclasses.replace(m, config=m.config.replace(cpu_kernel=False)),
+                                       dtype=args.dtype, max_cache_len=args.max_cache_len)
+            built[name] = JaxMethod("ar", xla, args)
+            built[name].about = "ar with XLA's dot for every product (no CPU matmul kernel)"
+        elif name in llamacpp.PEERS:
+            why = llamacpp.unavailable() or (None if gen.source.path.endswith(".gguf") else
+                                             f"{gen.source.path} is not a GGUF file")
+            if why:
+                notes.append(f"{name} skipped: {why}")
+                continue
+            built[name] = LlamaCppMethod(name, gen.source.path, m, args)
         elif name in peers.PEERS:
             why = peers.unavailable()
             if why:
@@ -203,16 +246,17 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
 
-    from infer import peers
+    from infer import llamacpp, peers
     from s3djax import bench_data, device, progress
     from s3djax.errors import UserError
     from s3djax.generator import Generator
 
     if args.gamma is None:  # recorded as it ran, for readers of results.json (benchmarks.projection)
         args.gamma = default_gamma(args.tree)
-    unknown = [name for name in args.methods if name not in METHODS + peers.PEERS]
+    known = METHODS + ("ar-xla",) + peers.PEERS + llamacpp.PEERS
+    unknown = [name for name in args.methods if name not in known]
     if unknown:
-        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS + peers.PEERS)}")
+        raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(known)}")
     gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, max_cache_len=args.max_cache_len,
                     quant=args.quant, matmul=args.matmul, attention=args.attention, load=False)
     for name in args.methods:  # every method's options, before the weights are read

@@ -44,6 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention: str = "xla"
+    cpu_kernel: bool = True  # products on the CPU through the native decode matmul, where it can run
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:

@@ -40,9 +40,10 @@ class RMSNorm(nn.Module):
 
 def linear(module: nn.Module, name: str, shape: tuple[int, int], h, lora):
     """h @ W for the module's weight `name`, plus the low-rank update (h @ A) @ B where a draft adapter covers it."""
-    out = quant.dot(h, module.param(name, dense_init, shape))
+    kernel = module.config.cpu_kernel
+    out = quant.dot(h, module.param(name, dense_init, shape), kernel)
     if lora and name in lora:
-        out = out + (h @ lora[name]["a"]) @ lora[name]["b"]
+        out = out + quant.dot(quant.dot(h, lora[name]["a"], kernel), lora[name]["b"], kernel)
     return out
 
 

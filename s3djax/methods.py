@@ -90,7 +90,10 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     if opts.draft_path is None and method != "ar":
         entry = registry.entries().get(m.name)
         opts = dataclasses.replace(opts, draft_path=entry.draft_path(method) if entry else None)
-    return builders[method](m, ar, opts, dtype)
+    built = builders[method](m, ar, opts, dtype)
+    if m.config.cpu_kernel:
+        built.params = quant.pack_for_cpu(built.params)
+    return built
 
 
 def check(method: str, source: ModelSource, *, max_cache_len: int, sampling: Sampling = Sampling(),

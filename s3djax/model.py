@@ -82,7 +82,7 @@ class Decoder(nn.Module):
         """LM-head logits in fp32 over final-normed states; `head`: some rows of it (a draft vocabulary's)."""
         if head is None:
             head = self.embed if self.config.tie_word_embeddings else self.lm_head
-        return quant.head(hidden, head)
+        return quant.head(hidden, head, self.config.cpu_kernel)
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:

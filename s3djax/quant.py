@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,45 @@ class Int8Weight:
         return dataclasses.replace(self, values=self.values.T, axis=1 - self.axis)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
+                   meta_fields=["dtype", "panel", "table"])
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A weight laid out once for the CPU kernel (`cpu_kernels.matmul.pack`): a linear [K, N], or a table
+    [N, K] (the embedding and LM head) packed from its transpose; float, or int8 with its per-output scale.
+
+    Made by `pack_for_cpu` where the kernel runs, and nowhere else. `values` keeps the source's shape,
+    which the model's modules check; only the order of its elements changes.
+    """
+    values: jax.Array
+    scale: jax.Array | None
+    dtype: str = "float32"  # the activations' dtype, which products come out in
+    panel: int = 64         # columns of the [K, N] product per panel
+    table: bool = False
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    def kn(self):
+        """The [K, N] matrix of panels the kernel reads (a free reshape)."""
+        return self.values.reshape(self.values.shape[::-1]) if self.table else self.values
+
+    def unpacked(self):
+        """The source weight, a plain array or an `Int8Weight`: what XLA's paths read."""
+        from cpu_kernels.matmul import unpack
+
+        w = unpack(self.kn(), self.panel)
+        w = w.T if self.table else w
+        return w if self.scale is None else Int8Weight(w, self.scale, 0 if self.table else 1, self.dtype)
+
+    def table_rows(self, ids):
+        """Rows of a packed table, gathered from its panels without unpacking the rest."""
+        n, k = self.values.shape
+        values = self.values.reshape(n // self.panel, k, self.panel)[ids // self.panel, :, ids % self.panel]
+        return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype)
+
+
 def quantize(w, channel_axis: int) -> Int8Weight:
     """Round to the nearest of 255 levels symmetric about zero, per channel (an all-zero channel gets scale 1).
 
@@ -64,6 +105,8 @@ def _quantize(w, channel_axis: int):
 
 
 def dequantize(w):
+    if isinstance(w, Packed):
+        return dequantize(w.unpacked())
     if not isinstance(w, Int8Weight):
         return w
     scale = w.scale[:, None] if w.axis == 0 else w.scale[None, :]
@@ -103,24 +146,31 @@ def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
 
     def convert(path, w):
         name = path[-1].key
+        if isinstance(w, Packed):
+            return w
         if name in LINEARS:
             return linear(w, mode, dtype, kernel)
         return table(w, mode, dtype, kernel) if name in TABLES and len(path) == 1 else w
 
-    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_int8)
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
 
 
 def is_int8(x) -> bool:
-    return isinstance(x, Int8Weight)
+    return isinstance(x, Int8Weight) or (isinstance(x, Packed) and x.values.dtype == jnp.int8)
+
+
+def is_weight(x) -> bool:
+    """A weight node that tree maps must treat whole: an int8 or a packed weight."""
+    return isinstance(x, (Int8Weight, Packed))
 
 
 def dequantize_tree(tree):
     """Every int8 weight in `tree` as float, the rest as it is."""
-    return jax.tree.map(dequantize, tree, is_leaf=is_int8)
+    return jax.tree.map(dequantize, tree, is_leaf=is_weight)
 
 
 def mode_of(params: dict) -> str:
-    if not any(is_int8(w) for w in jax.tree.leaves(params["layers_0"], is_leaf=is_int8)):
+    if not any(is_int8(w) for w in jax.tree.leaves(params["layers_0"], is_leaf=is_weight)):
         return "none"
     return "int8-all" if is_int8(params["embed"]) else "int8"
 
@@ -132,8 +182,20 @@ def param_bytes(params) -> int:
 
 # ------------------------------------------------------------------------------ the forward's reads
 
-def dot(h, w):
-    """h [..., in] @ w [in, out], for a float or int8 w; the result is in h's dtype."""
+def dot(h, w, cpu_kernel: bool = False):
+    """h [..., in] @ w [in, out], for a float or int8 w; the result is in h's dtype.
+
+    `cpu_kernel`: on the CPU, through the native decode matmul (`cpu_kernels.matmul`) where it can run;
+    lowered for any other platform, the code is XLA's as without it.
+    """
+    if _use_cpu_kernel(cpu_kernel or isinstance(w, Packed), h):
+        return jax.lax.platform_dependent(h, w, cpu=functools.partial(_cpu_kernel, layout="kn"), default=_xla_dot)
+    return _xla_dot(h, w)
+
+
+def _xla_dot(h, w):
+    if isinstance(w, Packed):
+        w = w.unpacked()
     if not isinstance(w, Int8Weight):
         return h @ w
     if w.kernel == "pallas":
@@ -146,21 +208,99 @@ def dot(h, w):
 
 def take(table_, tokens):
     """Embedding rows for token ids."""
-    if not isinstance(table_, Int8Weight):
-        return table_[tokens]
-    return (table_.values[tokens].astype(jnp.float32) * table_.scale[tokens][..., None]).astype(table_.dtype)
+    picked = table_.table_rows(tokens) if isinstance(table_, Packed) else rows(table_, tokens)
+    if not isinstance(picked, Int8Weight):
+        return picked
+    return (picked.values.astype(jnp.float32) * picked.scale[..., None]).astype(picked.dtype)
 
 
 def rows(table_, ids):
     """Some rows of an embedding or head table [V, D], float or int8, as a table of their own."""
+    if isinstance(table_, Packed):
+        return table_.table_rows(ids)
     if not isinstance(table_, Int8Weight):
         return table_[ids]
     return dataclasses.replace(table_, values=table_.values[ids], scale=table_.scale[ids])
 
 
-def head(hidden, table_):
-    """fp32 logits hidden [..., D] x table [V, D]^T (the tied or untied LM head)."""
+def head(hidden, table_, cpu_kernel: bool = False):
+    """fp32 logits hidden [..., D] x table [V, D]^T (the tied or untied LM head); `cpu_kernel` as for `dot`."""
+    if _use_cpu_kernel(cpu_kernel or isinstance(table_, Packed), hidden):
+        return jax.lax.platform_dependent(hidden, table_, cpu=functools.partial(_cpu_kernel, layout="nk", out=jnp.float32),
+                                          default=_xla_head)
+    return _xla_head(hidden, table_)
+
+
+def _xla_head(hidden, table_):
+    if isinstance(table_, Packed):
+        table_ = table_.unpacked()
     if not isinstance(table_, Int8Weight):
         return jnp.einsum("...d,vd->...v", hidden, table_, preferred_element_type=jnp.float32)
     out = jnp.einsum("...d,vd->...v", hidden, table_.values.astype(hidden.dtype), preferred_element_type=jnp.float32)
     return out * table_.scale
+
+
+# Beyond this many rows (a long prompt's prefill, a training batch) a product is a GEMM, which XLA's dot runs
+# well; every decode-time step (drafts, trees, verification, any batch) stays under it, so its rows all
+# take the kernel's one order of summation.
+CPU_KERNEL_MAX_ROWS = 4096
+
+
+def _use_cpu_kernel(wanted: bool, h) -> bool:
+    if not wanted or math.prod(h.shape[:-1]) > CPU_KERNEL_MAX_ROWS:
+        return False
+    from cpu_kernels import matmul
+
+    return matmul.usable()
+
+
+def _cpu_kernel(h, w, *, layout: str, out=None):
+    from cpu_kernels import matmul
+
+    if isinstance(w, Packed):
+        values, scale, layout = w.kn(), w.scale, "panels"
+    else:
+        values, scale = (w.values, w.scale) if isinstance(w, Int8Weight) else (w, None)
+    return matmul.matmul(h, values, scale, layout).astype(out or h.dtype)
+
+
+def pack_for_cpu(params):
+    """`params` with its linears and tables (the embedding, LM head and draft-vocabulary heads) as `Packed`
+    weights where the CPU kernel runs (else unchanged), those whose panels divide their width. A weight met
+    twice (a draft sharing the target's layers) is packed once, and one packed by an earlier call is reused
+    while its source lives."""
+    from cpu_kernels import matmul
+
+    if jax.default_backend() != "cpu" or not matmul.usable():
+        return params
+    panel = matmul.panel()
+
+    def convert(path, w):
+        name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
+        table = name in TABLES or name == "head"
+        if not (name in LINEARS or table) or isinstance(w, Packed):
+            return w
+        values, scale, dtype = (w.values, w.scale, w.dtype) if isinstance(w, Int8Weight) else (w, None, w.dtype.name)
+        if values.ndim != 2 or values.shape[0 if table else 1] % panel or (
+                isinstance(w, Int8Weight) and (w.axis, w.kernel) != (0 if table else 1, "xla")):
+            return w
+        if isinstance(values, jax.core.Tracer):
+            return Packed(_pack(values, panel, table), scale, dtype, panel, table)
+        hit = _PACKED.get(id(values))
+        if hit is None or hit[0]() is not values:
+            hit = (weakref.ref(values), Packed(_pack(values, panel, table), scale, dtype, panel, table))
+            _PACKED[id(values)] = hit
+            weakref.finalize(values, _PACKED.pop, id(values), None)
+        return hit[1]
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
+
+
+_PACKED: dict[int, tuple] = {}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _pack(values, panel: int, table: bool):
+    from cpu_kernels.matmul import pack
+
+    return pack(values.T, panel).reshape(values.shape) if table else pack(values, panel)

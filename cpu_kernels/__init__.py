@@ -1,0 +1,1 @@
+"""Native CPU kernels reached from jitted JAX through XLA's FFI (C++ beside each Python wrapper and reference)."""

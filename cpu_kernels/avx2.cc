@@ -1,0 +1,40 @@
+// The decode matmul for AVX2 and FMA (8 floats a vector).
+#include <immintrin.h>
+
+
+#include "kernels.inc"
+
+namespace {
+
+struct Avx2 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kRows = 2;
+  static constexpr int kTileVectors = 4;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const uint16_t* p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static V load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+const s3d::Kernels kAvx2 = {"avx2", Loops<Avx2>::kPanel, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run};
+
+}  // namespace
+
+const s3d::Kernels* s3d::Avx2Kernels() { return &kAvx2; }

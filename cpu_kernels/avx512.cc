@@ -1,0 +1,35 @@
+// The decode matmul for AVX-512 (16 floats a vector).
+#include <immintrin.h>
+
+
+#include "kernels.inc"
+
+namespace {
+
+struct Avx512 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kRows = 6;
+  static constexpr int kTileVectors = 4;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const uint16_t* p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static V load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+};
+
+const s3d::Kernels kAvx512 = {"avx512", Loops<Avx512>::kPanel, &Loops<Avx512>::Tiles, &Loops<Avx512>::Run};
+
+}  // namespace
+
+const s3d::Kernels* s3d::Avx512Kernels() { return &kAvx512; }

@@ -1,0 +1,132 @@
+"""The CPU decode matmul: x [M, K] times a float32, bfloat16 or int8 weight, reading the weight once for
+all M rows (`ffi_matmul.cc`), beside its jnp reference.
+
+Decode-shaped products (M from 1 to a few dozen rows) are bound by reading the weight, so M rows should
+cost about what one does; XLA:CPU runs M > 1 through GEMM paths that cost 2x or more. Each output
+element is one fixed sequence of fused multiply-adds over K, whatever M is, so a row of a verify step's
+product is bit-identical to the same row decoded alone.
+
+The weight's layout is one of LAYOUTS: "kn" [K, N] (a linear as the model holds it), "nk" [N, K] (an
+embedding table used as the LM head), or "panels": a linear packed once by `pack` into panels of P
+columns (`panel()`, the vector unit's), each panel's K rows one after another, so that a panel is one
+sequential stream where a plain [K, N] weight's column tiles are strided reads. Packed weights keep the
+shape [K, N] (the model's modules check their params' shapes); only the order of their elements changes. int8 weights
+bring one fp32 scale per output column. Products accumulate and come out in fp32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels.build import LIBRARY
+
+TARGET = "s3djax_matmul"
+SWITCH = "S3DJAX_CPU_KERNEL"   # "0" turns the kernel off: every product goes through XLA's dot
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+
+
+LAYOUTS = ("kn", "nk", "panels")
+
+
+def pack(w, panel: int):
+    """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]."""
+    k, n = w.shape
+    return w.reshape(k, n // panel, panel).transpose(1, 0, 2).reshape(k, n)
+
+
+def unpack(w, panel: int):
+    """`pack` undone."""
+    k, n = w.shape
+    return w.reshape(n // panel, k, panel).transpose(1, 0, 2).reshape(k, n)
+
+
+def reference(x, w, scale=None, layout: str = "kn"):
+    """x [..., K] @ w in `layout`, times scale [N] if given, in fp32: [..., N]."""
+    w = unpack(w, panel()) if layout == "panels" else w
+    out = jnp.einsum("...k,nk->...n" if layout == "nk" else "...k,kn->...n", x.astype(jnp.float32),
+                     w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out if scale is None else out * scale
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process, or None once its handler is registered with XLA."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"turned off by {SWITCH}=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no kernel for {platform.machine()}"
+    if not LIBRARY.exists():
+        return f"{LIBRARY} is not built (make setup, or python -m cpu_kernels.build)"
+    try:
+        lib = _library()
+    except (OSError, AttributeError) as e:
+        return f"cannot load {LIBRARY}: {e}"
+    if lib.s3d_cpu_isa() is None:
+        return "this CPU has neither AVX2 with FMA nor AVX-512"
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.S3dMatmul), platform="cpu")
+    return None
+
+
+@functools.cache
+def isa() -> str | None:
+    """The vector unit the kernel runs on ("avx512", "avx2"), or None where it is unavailable."""
+    return None if unavailable() else _library().s3d_cpu_isa().decode()
+
+
+@functools.cache
+def panel() -> int:
+    """Columns per packed panel on this CPU's vector unit (0 where the kernel is unavailable)."""
+    return 0 if unavailable() else _library().s3d_cpu_panel()
+
+
+@functools.cache
+def _library():
+    lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
+    lib.s3d_cpu_isa.restype = ctypes.c_char_p
+    lib.s3d_cpu_panel.restype = ctypes.c_int64
+    return lib
+
+
+@functools.cache
+def usable() -> bool:
+    """Whether products on the CPU go through the kernel; says once on stderr why not, where it was wanted."""
+    reason = unavailable()
+    if reason and not reason.startswith("turned off") and jax.default_backend() == "cpu":
+        print(f"s3djax: the CPU matmul kernel is unavailable ({reason}); using XLA's dot", file=sys.stderr)
+    return reason is None
+
+
+def _call(x, w, scale, layout: str):
+    *lead, k = x.shape
+    n = w.shape[0] if layout == "nk" else w.shape[1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")(
+        x2, w, scale, layout=np.int32(LAYOUTS.index(layout)))
+    return out.reshape(*lead, n)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def matmul(x, w, scale=None, layout: str = "kn"):
+    """`reference`'s product through the kernel (the CPU only: register it first, see `usable`).
+    Differentiable: the derivative is the reference's, through XLA."""
+    if w.dtype not in WEIGHT_DTYPES or w.ndim != 2 or x.shape[-1] != w.shape[layout == "nk"] or (
+            layout == "panels" and w.shape[1] % panel()):
+        raise ValueError(f"the CPU matmul takes x [..., K] and a float32, bfloat16 or int8 weight in layout "
+                         f"{layout!r}; got x {x.shape} and {w.dtype.name} {w.shape}")
+    return _call(x, w, scale, layout)
+
+
+@matmul.defjvp
+def _matmul_jvp(layout, primals, tangents):
+    out = matmul(*primals, layout)
+    _, tangent = jax.jvp(functools.partial(reference, layout=layout), primals, tangents)
+    return out, tangent

@@ -1,0 +1,152 @@
+"""The CPU decode matmul (`cpu_kernels`) against its jnp reference, for every weight dtype and layout; each
+row bit-identical to the same row alone; bad input refused; the model on it against XLA's dot. The kernel
+tests run once on this CPU's widest vector unit and once, in a subprocess, on AVX2."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import matmul as cm
+from s3djax import methods, quant
+from s3djax.decode import Runner
+
+pytestmark = pytest.mark.skipif(cm.unavailable() is not None, reason=f"CPU kernel: {cm.unavailable()}")
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
+# (M, K, N): decode shapes, odd K and N (ragged vectors), one K, and rows past every register block.
+SHAPES = [(1, 576, 192), (2, 77, 129), (5, 577, 1), (9, 16, 33), (17, 31, 70), (32, 100, 64)]
+
+
+def inputs(m, k, n, dtype, layout, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    if dtype == jnp.int8:
+        w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
+        scale = jnp.asarray(rng.uniform(0.5, 2.0, n) / (64 * np.sqrt(k)), jnp.float32)
+    else:
+        w, scale = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k), dtype), None
+    if layout == "nk":
+        w = w.T
+    elif layout == "panels":
+        w = cm.pack(w, cm.panel())
+    return x, w, scale
+
+
+def check_all(layouts=cm.LAYOUTS):
+    """Every dtype, layout and shape: close to the reference, and each row bit-identical to itself alone."""
+    for dtype in DTYPES.values():
+        for layout in layouts:
+            for m, k, n in SHAPES:
+                if layout == "panels":
+                    n = cm.panel() * (1 + n // 100)
+                x, w, scale = inputs(m, k, n, dtype, layout)
+                product = jax.jit(lambda x, w, s: cm.matmul(x, w, s, layout))
+                got, want = product(x, w, scale), cm.reference(x, w, scale, layout)
+                assert got.shape == (m, n) and got.dtype == jnp.float32
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                           atol=1e-5 * float(jnp.abs(want).max()))
+                alone = jnp.concatenate([product(x[i:i + 1], w, scale) for i in range(m)])
+                assert (np.asarray(alone) == np.asarray(got)).all(), (dtype, layout, (m, k, n))
+
+
+def test_kernel_against_reference_and_rows_alone():
+    check_all()
+
+
+def test_kernel_on_avx2():
+    """The same checks with the AVX2 loops (a CPU without AVX-512 runs these)."""
+    code = "from tests.test_cpu_matmul import check_all; from cpu_kernels import matmul; " \
+           "assert matmul.isa() == 'avx2', matmul.isa(); check_all()"
+    env = {**os.environ, "S3DJAX_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_pack_round_trip_and_gradient():
+    x, w, _ = inputs(3, 20, cm.panel() * 2, jnp.float32, "kn")
+    packed = cm.pack(w, cm.panel())
+    assert packed.shape == w.shape and not (packed == w).all()
+    assert (cm.unpack(packed, cm.panel()) == w).all()
+    grad = jax.grad(lambda x: cm.matmul(x, packed, None, "panels").sum())(x)
+    np.testing.assert_allclose(grad, jax.grad(lambda x: (x @ w).sum())(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("w, layout", [(jnp.ones((8, 4), jnp.float16), "kn"),   # unsupported dtype
+                                       (jnp.ones((7, 4), jnp.float32), "kn"),     # K disagrees
+                                       (jnp.ones((8, 65), jnp.float32), "panels")])  # panels do not divide N
+def test_bad_input_is_a_clear_error(w, layout):
+    with pytest.raises(ValueError, match="the CPU matmul takes"):
+        cm.matmul(jnp.ones((2, 8)), w, None, layout)
+
+
+def test_handler_refuses_bad_buffers_without_crashing():
+    """Past the wrapper's checks, the handler itself returns an error for mismatched buffers."""
+    call = jax.ffi.ffi_call(cm.TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    with pytest.raises(Exception, match="x and w disagree on K"):
+        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((7, 4)), jnp.zeros((0,)), layout=np.int32(0)))
+    with pytest.raises(Exception, match="weights must be"):
+        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((8, 4), jnp.int32), jnp.zeros((0,)), layout=np.int32(0)))
+
+
+def test_unavailable_kernel_falls_back_with_one_line():
+    code = ("import pathlib, jax.numpy as jnp; from cpu_kernels import matmul; from s3djax import quant; "
+            "matmul.LIBRARY = pathlib.Path('/nonexistent/lib.so'); "
+            "y = quant.dot(jnp.ones((2, 8)), jnp.ones((8, 4)), True); quant.dot(jnp.ones((3, 8)), jnp.ones((8, 4)), True); "
+            "assert float(y[0, 0]) == 8.0")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "kernel" in line]
+    assert len(lines) == 1 and "is not built" in lines[0] and "using XLA's dot" in lines[0], done.stderr
+
+
+def test_switch_turns_it_off_silently():
+    code = "from cpu_kernels import matmul; assert not matmul.usable() and 'S3DJAX_CPU_KERNEL' in matmul.unavailable()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, cm.SWITCH: "0"},
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "kernel" not in done.stderr, done.stderr
+
+
+def on_path(model, kernel: bool):
+    return dataclasses.replace(model, config=model.config.replace(cpu_kernel=kernel))
+
+
+def test_model_logits_match_xla(smollm2):
+    """SmolLM2's forward through packed weights and the kernel against XLA's dot, prefill and decode steps."""
+    prompt = [(7 * i) % 1000 + 100 for i in range(24)]
+    logits = {}
+    for kernel in (True, False):
+        built = methods.build("ar", on_path(smollm2, kernel), max_cache_len=64)
+        assert any(isinstance(w, quant.Packed) for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight)) \
+            == kernel
+        runner = Runner(built.decoder, built.params)
+        state = runner.prefill(prompt)
+        hidden, _ = built.decoder._step(built.params, jnp.asarray([[5, 6, 7]]), jnp.asarray([[24, 25, 26]]),
+                                        state["cache"], jnp.asarray([24]),
+                                        jnp.ones((1, 3, 64), bool).at[:, :, 27:].set(False))
+        logits[kernel] = np.asarray(built.decoder._logits(built.params, hidden))
+    assert np.abs(logits[True] - logits[False]).max() < 1e-3 * np.abs(logits[False]).max()
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
+
+
+@pytest.mark.parametrize("quantization", [None, "int8-all"])
+def test_speculative_methods_match_ar_on_the_kernel(smollm2, quantization):
+    """Greedy s3d and kangaroo through the kernel give ar's tokens, in fp32 and in int8 (tables packed too)."""
+    from s3djax.loading import load_model
+
+    model = smollm2 if quantization is None else load_model("smollm2-135m", quantization=quantization, progress=False)
+    prompt = [(7 * i) % 1000 + 100 for i in range(30)]
+    tokens = {}
+    for method in ("ar", "s3d", "kangaroo"):
+        built = methods.build(method, on_path(model, True), max_cache_len=128)
+        tokens[method] = Runner(built.decoder, built.params).generate(prompt, 24).tokens
+    assert tokens["s3d"] == tokens["ar"] == tokens["kangaroo"]
+    assert len(tokens["ar"]) == 24
