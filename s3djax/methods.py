@@ -19,9 +19,10 @@ from s3djax.skip_plan import SkipPlan
 METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 
 
-# S3D's chain depth measured fastest per platform (benchmarks/results/s3d-gamma-cpu-2026-11-23.md: on
-# the 2-core CPU gamma 1 ran at 0.71x ar, 2-4 at 0.51-0.53x). No GPU has measured it: the paper's 4.
-FASTEST_GAMMA = {"cpu": 1}
+# S3D's chain depth measured fastest per platform (benchmarks/results/defaults-kernel-cpu-2026-11-24.md: on
+# the 2-core CPU with the CPU matmul kernel, gamma 2 ran at 0.99x ar, 4 at 0.95x, 1 at 0.90x). No GPU has
+# measured it: the paper's 4.
+FASTEST_GAMMA = {"cpu": 2}
 PAPER_GAMMA = 4
 
 
