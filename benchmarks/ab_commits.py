@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 from s3djax.errors import UserError
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import datetime
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 FORMS = {  # name: (dtype, quantization, CPU kernel), and what the weights are
     "fp32-xla": ("float32", None, False),

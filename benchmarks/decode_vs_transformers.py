@@ -16,7 +16,7 @@ import sys
 import time
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

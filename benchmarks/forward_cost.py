@@ -18,7 +18,7 @@ import dataclasses
 import datetime
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 TOKENS = (1, 2, 3, 4, 5, 8, 9, 17)
 

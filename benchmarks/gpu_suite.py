@@ -25,7 +25,7 @@ import sys
 import tarfile
 import time
 
-from infer.cli import Parser, output_folder, run
+from s3djax.cli import Parser, output_folder, run
 from s3djax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

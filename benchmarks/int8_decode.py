@@ -18,7 +18,7 @@ import gc
 import sys
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 
 def main():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 
 def main():

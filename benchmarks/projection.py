@@ -15,7 +15,7 @@ import json
 import sys
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 
 def main():

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 
 def main():

@@ -17,7 +17,7 @@ import datetime
 import os
 
 from benchmarks import report
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 K, N, LAYERS = 576, 1536, 30  # SmolLM2's hidden and MLP widths, one matmul per layer
 ROWS = (1, 2, 3, 5, 9, 17, 32)

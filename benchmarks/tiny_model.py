@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 
-from infer.cli import Parser, output_folder, run
+from s3djax.cli import Parser, output_folder, run
 from s3djax import model
 from s3djax.config import ModelConfig
 

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 from s3djax.errors import UserError
 
 

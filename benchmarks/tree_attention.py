@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from benchmarks import report
 from benchmarks.report import copy_bandwidth, median_us
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 
 
 def main():

@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 
-from infer.cli import Parser, run, sampling
+from s3djax.cli import Parser, run, sampling
 from s3djax.methods import METHODS, default_gamma
 
 DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,hf-ar,hf-early-exit,hf-prompt-lookup"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 from s3djax.methods import METHODS
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."

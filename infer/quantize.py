@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from infer.cli import Parser, output_folder, run
+from s3djax.cli import Parser, output_folder, run
 
 
 def main(argv=None):

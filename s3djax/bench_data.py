@@ -52,22 +52,22 @@ def human_eval() -> list[dict]:
 def sharegpt_heldout(eval_fraction: float = 0.02) -> tuple[tuple[str, str], ...]:
     """(conversation id, first user turn) of the ShareGPT conversations `train.prepare_data` holds out.
 
-    Membership is prepare_data's own rule (its id hash and --eval-fraction, its turn cleaning, its
-    "has an assistant turn"), so no prompt here was trained on. Of those, only records that start a
+    Membership is the training data's own rule (`s3djax.sharegpt`: its id hash, prepare_data's
+    --eval-fraction, its turn cleaning, "has an assistant turn"), so no prompt here was trained on. Of those, only records that start a
     conversation are kept (id part `_0`): the shipped file splits long chats into parts `<id>_<k>`,
     and a later part's first user turn ("continue", "and the next one?") is no prompt on its own.
     The split hashes each part's id, so later parts of a held-out chat may be in the training split.
     """
-    from train import prepare_data as pd  # the held-out rule lives with the training data
+    from s3djax import sharegpt
 
-    records, _ = pd.read_records(pd.sharegpt_path())
+    records, _ = sharegpt.read_records(sharegpt.sharegpt_path())
     out = []
     for i, record in enumerate(records):
-        cid = pd.conversation_id(record, i)
+        cid = sharegpt.conversation_id(record, i)
         starts = "_" not in cid or cid.endswith("_0")
-        if not (starts and pd.is_held_out(cid, eval_fraction)):
+        if not (starts and sharegpt.is_held_out(cid, eval_fraction)):
             continue
-        messages = pd.clean_turns(record.get("conversations") if isinstance(record, dict) else None,
+        messages = sharegpt.clean_turns(record.get("conversations") if isinstance(record, dict) else None,
                                   collections.Counter())
         first = next((m["content"] for m in messages if m["role"] == "user"), None)
         if first is not None and any(m["role"] == "assistant" for m in messages):

@@ -56,7 +56,7 @@ class Options:
 
 
 def options(args, method: str) -> dict:
-    """One method's Options fields from parsed CLI arguments (`infer.cli.Parser.add_method_options`).
+    """One method's Options fields from parsed CLI arguments (`s3djax.cli.Parser.add_method_options`).
 
     --draft is a path, or METHOD=PATH pairs when a benchmark runs several methods; --skip is the
     whole model's plan for ar and the draft's for the others.

@@ -4,8 +4,8 @@ happens after loading shows up as that failure, not as a slow pass."""
 
 import pytest
 
-from infer import benchmark, cli, generate, quantize
-from s3djax import weights
+from infer import benchmark, generate, quantize
+from s3djax import cli, weights
 from train import distill, s3d, search_skip
 
 

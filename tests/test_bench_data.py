@@ -4,9 +4,8 @@ import importlib.util
 
 import pytest
 
-from s3djax import bench_data
+from s3djax import bench_data, sharegpt
 from s3djax.errors import UserError
-from train import prepare_data as pd
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +48,16 @@ def test_mt_bench_second_turn_joins_both_questions(tokenizer):
 
 def test_sharegpt_heldout_never_meets_the_training_split(tokenizer):
     items = bench_data.prompts("sharegpt-heldout", tokenizer, None)
-    records, _ = pd.read_records(pd.sharegpt_path())
-    ids = [pd.conversation_id(r, i) for i, r in enumerate(records)]
-    train = {i for i in ids if not pd.is_held_out(i, 0.02)}
+    records, _ = sharegpt.read_records(sharegpt.sharegpt_path())
+    ids = [sharegpt.conversation_id(r, i) for i, r in enumerate(records)]
+    train = {i for i in ids if not sharegpt.is_held_out(i, 0.02)}
     got = [item["id"] for item in items]
     assert 150 < len(got) == len(set(got)) and not set(got) & train and set(got) <= set(ids)
     assert all(i.endswith("_0") for i in got) and all(item["text"].strip() for item in items)
     assert [i["id"] for i in bench_data.prompts("sharegpt-heldout", tokenizer, 3)] == got[:3]
     # A larger fraction holds out more, and still only conversations the split holds out.
     wider = [i for i, _ in bench_data.sharegpt_heldout(0.05)]
-    assert set(got) < set(wider) and all(pd.is_held_out(i, 0.05) for i in wider)
+    assert set(got) < set(wider) and all(sharegpt.is_held_out(i, 0.05) for i in wider)
 
 
 def test_unknown_set_and_missing_packages_are_one_line_errors(tokenizer, monkeypatch):

@@ -6,8 +6,8 @@ import json
 import pytest
 
 import s3djax
-from infer import cli, generate
-from s3djax import weights
+from infer import generate
+from s3djax import cli, weights
 
 PROMPT = "Name three primary colors."
 TIMINGS = ("tokens_per_s", "ttft_s", "compile_s", "peak_device_bytes")

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from s3djax import sharegpt
 from train import prepare_data as pd
 from train.shards import Shards
 
@@ -24,15 +25,15 @@ def test_complete_records_are_recovered_from_a_truncated_array(tmp_path):
     text = json.dumps(records, indent=2)
     cut = tmp_path / "cut.json"
     cut.write_text(text[: text.index('"c4"') + 10])  # mid-way through the last record
-    got, truncated = pd.read_records(str(cut))
+    got, truncated = sharegpt.read_records(str(cut))
     assert truncated and got == records[:4]
     whole = tmp_path / "whole.json"
     whole.write_text(text)
-    assert pd.read_records(str(whole)) == (records, False)
+    assert sharegpt.read_records(str(whole)) == (records, False)
 
 
 def test_the_shipped_sharegpt_file_is_truncated_but_its_first_records_decode():
-    got, truncated = pd.read_records(pd.sharegpt_path(), limit=30)
+    got, truncated = sharegpt.read_records(sharegpt.sharegpt_path(), limit=30)
     assert len(got) == 30 and not truncated and all("conversations" in r for r in got)
 
 
@@ -41,7 +42,7 @@ def test_turn_cleaning_maps_roles_and_counts_what_it_drops():
     turns = [{"from": "gpt", "value": "orphan answer"}, {"from": "human", "value": "hi"},
              {"from": "gpt", "value": "  "}, {"from": "gpt"}, "junk", {"from": "alien", "value": "?"},
              {"from": "chatgpt", "value": "hello"}, {"from": "system", "value": "late system"}]
-    assert pd.clean_turns(turns, dropped) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert sharegpt.clean_turns(turns, dropped) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert dropped == {"leading assistant turn": 1, "empty turn": 1, "malformed turn": 2, "unknown role 'alien'": 1,
                        "system turn after the start": 1}
 
@@ -66,10 +67,10 @@ def test_rendering_is_the_whole_template_and_masks_exactly_the_answers(tokenizer
 
 def test_held_out_choice_depends_only_on_the_conversation_id():
     ids = [f"conv{i}" for i in range(2000)]
-    chosen = [i for i in ids if pd.is_held_out(i, 0.1)]
-    assert chosen == [i for i in ids if pd.is_held_out(i, 0.1)]
+    chosen = [i for i in ids if sharegpt.is_held_out(i, 0.1)]
+    assert chosen == [i for i in ids if sharegpt.is_held_out(i, 0.1)]
     assert 120 < len(chosen) < 280
-    assert not any(pd.is_held_out(i, 0.0) for i in ids)
+    assert not any(sharegpt.is_held_out(i, 0.0) for i in ids)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["truncate", "pack"])

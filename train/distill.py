@@ -19,9 +19,10 @@ import time
 
 import numpy as np
 
-from infer.cli import Parser, output_folder, run
+from s3djax.cli import Parser, output_folder, run
 from s3djax.errors import UserError
-from train.prepare_data import clean_turns, conversation_id, is_held_out, read_records, sharegpt_path, write_split
+from s3djax.sharegpt import clean_turns, conversation_id, is_held_out, read_records, sharegpt_path
+from train.prepare_data import write_split
 from train.shards import FORMAT
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from infer.cli import Parser, run
+from s3djax.cli import Parser, run
 from s3djax.errors import UserError
 from train.shards import Shards
 
@@ -30,7 +30,7 @@ def sharegpt_counts(tokenizer, vocab_size: int, conversations: int) -> np.ndarra
     """Token counts over the assistant turns of the first ShareGPT conversations (the tie-breaker)."""
     import collections
 
-    from train.prepare_data import clean_turns, read_records, sharegpt_path
+    from s3djax.sharegpt import clean_turns, read_records, sharegpt_path
 
     texts = [m["content"] for r in read_records(sharegpt_path(), conversations)[0]
              for m in clean_turns(r.get("conversations") if isinstance(r, dict) else None, collections.Counter())

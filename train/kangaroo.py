@@ -16,7 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from infer.cli import run
+from s3djax.cli import run
 from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder

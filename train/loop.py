@@ -259,7 +259,7 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
 
 def parser(module: str, doc: str):
     """Every training module's command line: `python -m train.MODULE --config FILE [key=value ...]`."""
-    from infer.cli import Parser
+    from s3djax.cli import Parser
 
     p = Parser(prog=f"python -m train.{module}", description=doc.split("\n\n")[0])
     p.add_argument("--config", help="a YAML file of settings (see configs/train/)")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.cli import run
+from s3djax.cli import run
 from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder, forward_sequence

@@ -13,7 +13,7 @@ import os
 
 import jax.numpy as jnp
 
-from infer.cli import run
+from s3djax.cli import run
 from s3djax.config import ModelConfig
 from s3djax.skip_plan import SkipPlan
 from train.config import TrainConfig

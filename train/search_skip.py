@@ -26,7 +26,7 @@ import warnings
 import jax
 import numpy as np
 
-from infer.cli import Parser, output_folder, run
+from s3djax.cli import Parser, output_folder, run
 from s3djax import bench_data, device
 from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError

@@ -1,4 +1,6 @@
-"""What every command-line tool shares: one-line errors with exit code 2, quiet JAX start-up."""
+"""What every command-line tool shares (infer/, train/, benchmarks/): one argument parser with
+one-line errors and exit code 2, the sampling and method flags, the output folder made before any
+weight is read, and a quiet JAX start-up."""
 
 from __future__ import annotations
 
