@@ -26,7 +26,14 @@ from s3djax.tokenizer import encode_prompt
 
 @dataclasses.dataclass
 class Output:
-    """One completion and its statistics: those of `python -m infer.generate --json`."""
+    """One completion and its statistics: those of `python -m infer.generate --json`.
+
+    text and token_ids: the new tokens (the prompt excluded); prompt_tokens: the prompt's length
+    after the chat template; tokens_per_s: new tokens after the first over decode time; ttft_s: time
+    to the first new token; compile_s: compilation, measured apart; method, device, quant; param_bytes:
+    target and draft weights; peak_device_bytes: the device's peak (None on a CPU); stats: the
+    speculative methods' statistics (`tau`, `acceptance_by_depth`, verify_steps, ...).
+    """
     text: str
     token_ids: list[int]
     prompt_tokens: int
@@ -47,9 +54,12 @@ class Output:
 
     @property
     def acceptance_by_depth(self) -> list[float] | None:
+        """alpha_k per draft depth k: the share of verify steps that accepted a depth-k draft among
+        those that accepted depth k-1 (speculative methods)."""
         return self.stats.get("acceptance_by_depth")
 
     def json(self) -> dict:
+        """Exactly the object `python -m infer.generate --json` prints."""
         return dict(text=self.text, prompt_tokens=self.prompt_tokens, new_tokens=len(self.token_ids),
                     tokens_per_s=round(self.tokens_per_s, 3), ttft_s=round(self.ttft_s, 4),
                     compile_s=round(self.compile_s, 3), device=self.device, method=self.method, quant=self.quant,
@@ -66,6 +76,7 @@ class Session:
 
     @property
     def warnings(self) -> list[str]:
+        """What the build warned about (an untrained draft, a target replaced by a full-mode draft)."""
         return self.built.warnings
 
     @property
@@ -76,7 +87,12 @@ class Session:
 
 class Stream:
     """Iterate for the text as it is decoded (whole UTF-8 characters only); `output` is set once
-    the iteration ends."""
+    the iteration ends. Made by `Generator.stream`:
+
+        for piece in (stream := gen.stream("Tell me a story.", max_new_tokens=64)):
+            print(piece, end="", flush=True)
+        print(stream.output.tokens_per_s)
+    """
 
     def __init__(self, gen: "Generator", session: Session, ids: list[int], steps: Iterator[list[int]]):
         self._gen, self._session, self._ids, self._steps = gen, session, ids, steps
@@ -142,10 +158,12 @@ class Generator:
 
     @property
     def tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer), available before the weights are read."""
         return self.source.tokenizer
 
     @property
     def config(self):
+        """The model's `ModelConfig` (layers, heads, sizes), read from its header."""
         return self.source.config
 
     def load(self) -> LoadedModel:
