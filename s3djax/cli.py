@@ -46,7 +46,7 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--draft", "--skip-plan", dest="draft", help=artifact + (
             "; with several methods, METHOD=PATH pairs separated by commas" if several else ""))
         self.add_argument("--gamma", type=int, help="positions drafted per step (s3d; default: a named tree's "
-                          "depth, else the platform's measured fastest: 1 on a CPU, the paper's 4 elsewhere)")
+                          "depth, else the platform's measured fastest: 2 on a CPU, the paper's 4 elsewhere)")
         self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo and "
                           "s2d (default: the one their file records as measured fastest, else the paper's 6)")
         self.add_argument("--tree", help="token tree: chain, topK (the chain plus the next K-1 "

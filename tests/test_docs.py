@@ -1,0 +1,56 @@
+"""The README and docs/: every relative link resolves to a file or folder in the repository (and a
+`#section` to a heading of the page it names), and the README stays a five-minute read."""
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens."""
+    text = FENCE.sub("", page.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def links(page: pathlib.Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def test_there_are_pages_and_links():
+    assert {"methods.md", "benchmarks.md", "training.md", "gpu.md", "kernels.md", "design.md"} <= {
+        p.name for p in PAGES}
+    assert sum(len(links(p)) for p in PAGES) > 50  # the pattern finds them
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists() or not resolved.is_relative_to(ROOT):
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(target)
+    assert broken == []
+
+
+def test_the_anchor_rule_matches_github():
+    page = ROOT / "docs" / "benchmarks.md"
+    assert "ar-against-transformers" in anchors(page)  # from "## `ar` against transformers"
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    linked = {pathlib.PurePosixPath(t.partition("#")[0]).name for t in links(ROOT / "README.md")}
+    assert {p.name for p in PAGES[1:]} <= linked
