@@ -53,42 +53,56 @@ def forward_step(ar, tokens, length):
     return step
 
 
+def step_functions(decoder, trees: dict[str, TreeSpec] | None = None) -> dict:
+    """`{name: step}`, each `step(params, carry, length, last) -> (carry, tokens)` with carry (cache, drafter
+    state): the AR step, and for a `SpecDecoder` its draft step and the verify step of each tree given
+    (default the decoder's). Every input is an argument, so a step can also be compiled ahead of time on
+    abstract shapes (benchmarks.h100_compile)."""
+    spec = isinstance(decoder, SpecDecoder)
+    ar = decoder.ar if spec else decoder
+
+    def ar_step(params, carry, length, last):  # `ar`'s own step, not a one-node tree
+        cache, state = carry
+        cache, tokens = forward_step(ar, last[:, None], length)(params[0] if spec else params, cache)
+        return (cache, state), tokens
+
+    out = {"ar_step_ms": ar_step}
+    if not spec:
+        return out
+    drafter = decoder.drafter
+
+    def draft_step(params, carry, length, last):
+        # The drafter's state is carried too: a draft reading only its own cache (S2D's) would otherwise be
+        # loop-invariant, and XLA would hoist it out of the timed loop.
+        nodes, _, _, cache, state = drafter.draft(*params, carry[0], length, last, carry[1], None, decoder.ar.sampling)
+        return (cache, state), nodes
+
+    def verify_step(tree):
+        def step(params, carry, length, last):
+            cache, state = carry
+            nodes = jnp.zeros((last.shape[0], tree.num_nodes - 1), jnp.int32)
+            valid = jnp.ones(nodes.shape, bool)
+            if tree is drafter.tree:  # the drafter's own verification (Kangaroo's skips the shallow layers)
+                cache, _, emitted, _, _ = drafter.verify(*params, cache, length, last, nodes, valid, None, state, None,
+                                                         decoder.ar.sampling)
+            else:
+                cache, _, emitted, _ = verify(params[0], cache, length, last, nodes, valid, config=decoder.ar.config,
+                                              tree=tree.arrays(last.shape[0]))
+            return (cache, state), emitted
+        return step
+
+    out["draft_step_ms"] = draft_step
+    for name, tree in (trees or {"verify": drafter.tree}).items():
+        out["verify_step_ms" if name == "verify" else f"verify_{name}_ms"] = verify_step(tree)
+    return out
+
+
 def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec] | None = None,
                repeats: int = 10) -> dict[str, float]:
     """Milliseconds for the AR step, the draft step and the verify step (of each tree given, default the
     decoder's), at the state's committed length. The state's cache is consumed."""
-    drafter = decoder.drafter
-    cache, length, last, dstate = state["cache"], state["length"], state["last"], state["drafter"]
-
-    def verify_step(tree):
-        nodes = jnp.zeros((1, tree.num_nodes - 1), jnp.int32)
-        valid = jnp.ones(nodes.shape, bool)
-
-        def step(params, c):
-            if tree is drafter.tree:  # the drafter's own verification (Kangaroo's skips the shallow layers)
-                c, _, emitted, _, _ = drafter.verify(*params, c, length, last, nodes, valid, None, dstate, None,
-                                                     decoder.ar.sampling)
-            else:
-                c, _, emitted, _ = verify(params[0], c, length, last, nodes, valid, config=decoder.ar.config,
-                                          tree=tree.arrays(1))
-            return c, emitted
-        return step
-
-    ar_forward = forward_step(decoder.ar, last[:, None], length)  # `ar`'s own step, not a one-node tree
-
-    def ar_step(params, c):
-        return ar_forward(params[0], c)
-
-    def draft_step(params, carry):
-        # The drafter's state is carried too: a draft reading only its own cache (S2D's) would otherwise be
-        # loop-invariant, and XLA would hoist it out of the timed loop.
-        nodes, _, _, c, state = drafter.draft(*params, carry[0], length, last, carry[1], None, decoder.ar.sampling)
-        return (c, state), nodes
-
-    out = {}
-    out["ar_step_ms"], cache = ms_per_step(ar_step, params, cache, repeats)
-    out["draft_step_ms"], (cache, dstate) = ms_per_step(draft_step, params, (cache, dstate), repeats)
-    for name, tree in (trees or {"verify": drafter.tree}).items():
-        key = "verify_step_ms" if name == "verify" else f"verify_{name}_ms"
-        out[key], cache = ms_per_step(verify_step(tree), params, cache, repeats)
+    length, last = state["length"], state["last"]
+    carry, out = (state["cache"], state["drafter"]), {}
+    for key, step in step_functions(decoder, trees).items():
+        out[key], carry = ms_per_step(lambda p, c, step=step: step(p, c, length, last), params, carry, repeats)
     return out
