@@ -6,29 +6,25 @@ included) at the registry models' decode shapes. Shapes are `jax.ShapeDtypeStruc
 abstract, so a 7B model costs no memory. What is left to a GPU is compiling the Triton IR itself.
 """
 
-import dataclasses
 import functools
 import itertools
 import re
-import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import h100_compile
+from benchmarks.h100_compile import abstract_build, new_tokens, projections
 from pallas_kernels.int8_matmul import int8_matmul
 from pallas_kernels.tree_attention import tree_attention
-from s3djax import methods, quant, registry
-from s3djax.loading import LoadedModel
-from s3djax.model import abstract_params
-from s3djax.speculative.tree import TreeSpec, named_trees
+from s3djax import methods, registry
 
 S = jax.ShapeDtypeStruct
 MODELS = ("smollm2-135m", "llama-2-7b", "phi-3-mini-4k")  # head dims 64, 128 and 96
-GAMMA = 4
 # New tokens per step: AR's one, a chain's gamma + 1, and each named tree's nodes, root included.
-NEW_TOKENS = (1, GAMMA + 1, *sorted(TreeSpec.from_paths(paths).num_nodes for paths in named_trees().values()))
-CACHES = (512, 2048, 8192)
+NEW_TOKENS = new_tokens()
+CACHES = h100_compile.CACHES
 PROMPT = 512  # int8 rows past one 128-row tile, as in a prefill
 DTYPES = pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 
@@ -84,8 +80,7 @@ def test_tree_attention_lowers_with_triton_at_every_decode_shape(name, dtype):
 @pytest.mark.parametrize("name", MODELS)
 @DTYPES
 def test_int8_matmul_lowers_with_triton_at_every_projection(name, dtype):
-    layer = abstract_params(registry.entries()[name].config())["layers_0"]
-    shapes = sorted({w.shape for path, w in jax.tree_util.tree_leaves_with_path(layer) if path[-1].key in quant.LINEARS})
+    shapes = projections(name)
 
     def lower_case(m, shape):
         k, n = shape
@@ -100,25 +95,6 @@ def test_the_default_backend_follows_the_platform_lowered_for():
     traced = jax.jit(int8_matmul).trace(S((5, 576), jnp.bfloat16), S((576, 192), jnp.int8), S((192,), jnp.float32))
     assert triton_kernels(traced.lower(lowering_platforms=("cuda",)).as_text()) == {"int8_matmul"}
     assert triton_kernels(traced.lower(lowering_platforms=("cpu",)).as_text()) == set()  # the interpreter
-
-
-def abstract_build(name: str, method: str, quantization: str | None, tree: str = "chain"):
-    """(decoder, abstract bf16 params) of `method` on a registry model's shapes, attending with the
-    Pallas kernel and, quantized, multiplying with the Pallas int8 matmul."""
-    config = dataclasses.replace(registry.entries()[name].config(), attention="pallas")
-    model = LoadedModel(name, config, None, types.SimpleNamespace(pad_token_id=0, eos_token_id=None), 0.0)
-    decoders = []
-
-    def build(params):
-        if quantization:
-            params = quant.apply(params, quantization, jnp.bfloat16, "pallas")
-        built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=2048,
-                              dtype="bfloat16", draft_path="none", gamma=methods.PAPER_GAMMA, tree=tree)
-        decoders.append(built.decoder)
-        return built.params
-
-    params = jax.eval_shape(build, abstract_params(config, jnp.bfloat16))
-    return decoders[0], params
 
 
 @pytest.mark.parametrize("name, method, quantization, tree", [
