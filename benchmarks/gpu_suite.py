@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_suite --out benchmarks/results --archive $OUT/gpu-suite.tar.gz --deadline-s 540
     python -m benchmarks.gpu_suite --out DIR --lower-only   # the CUDA lowering checks alone; a CPU is enough
+    python -m benchmarks.gpu_suite --out DIR --compile-only # every kernel and step compiled for the GPU (a CPU: make cuda-env)
     python -m benchmarks.gpu_suite --out DIR --tiny         # every piece on tiny random models, on the CPU
 
 Each piece runs as its own process under a time limit (8 minutes), so one 10-minute device call always
@@ -35,6 +36,7 @@ VARIANTS = {"bf16-xla": [], "bf16-pallas": ["--attention", "pallas"],
 # The kernel tests and lowering checks --tiny runs: one of each kind, to prove the piece, not the kernels.
 TINY_TESTS = {"lowering": "default_backend or (lower_with_triton and smollm2 and ar)",
               "kernels": "every_output_element_is_written or leading_dims"}
+TINY_COMPILE = "kernel/int8-matmul/smollm2-135m/M1/576x192$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,14 @@ def pieces(args, run_dir: str) -> list[Piece]:
            for name, files in tests.items()]
     if args.lower_only:
         return out[:1]
+    # First, before anything is measured: every kernel and step compiled (benchmarks.h100_compile), its report
+    # beside it. --tiny proves the piece on one kernel.
+    compile_piece = Piece("compile", ("-m", "benchmarks.h100_compile", "--jobs", str(max(2, (os.cpu_count() or 2) // 2)),
+                                      "--out", os.path.join(at("compile"), "h100-compile.md"),
+                                      *(("--only", TINY_COMPILE) if args.tiny else ())), ("compiler",))
+    if args.compile_only:
+        return [compile_piece]
+    out.insert(0, compile_piece)
     out += [Piece("tree-attention", ("-m", "benchmarks.tree_attention", *quick, "--out", at("tree-attention")), ("gpu",)),
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}
@@ -102,6 +112,14 @@ def missing(need: str, args) -> str | None:
 
         return None if args.tiny or jax.default_backend() == "gpu" else \
             f"a CUDA GPU (jax sees {jax.default_backend()}; --tiny runs every piece on a CPU, --lower-only the lowering)"
+    if need == "compiler":
+        from benchmarks.h100_compile import compile_python
+
+        try:
+            compile_python()
+        except UserError as e:
+            return str(e)
+        return None
     if need == "pytest":
         return _missing_package("pytest", "carry its wheel")
     if need == "torch":
@@ -205,6 +223,7 @@ def parse_args(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--tiny", action="store_true", help="every piece on tiny random models, on CPU (interpret mode)")
     mode.add_argument("--lower-only", action="store_true", help="only the CUDA lowering checks")
+    mode.add_argument("--compile-only", action="store_true", help="only the compile of every kernel and step for the GPU")
     p.add_argument("--only", default="", help="comma-separated piece names to run (default: all)")
     p.add_argument("--skip", default="", help="comma-separated piece names to leave out")
     p.add_argument("--retry-failed", action="store_true", help="rerun pieces that failed before")

@@ -33,7 +33,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     folder, record = the_record(out)
     assert os.path.basename(folder).startswith("gpu-suite-tiny-cpu-jax")
-    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "lowering", "kernels", "tree-attention", "int8-decode",
+    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "compile", "lowering", "kernels", "tree-attention", "int8-decode",
                                       "bench-mt-bench-bf16-xla", "projection", "bench-humaneval-int8-pallas", "train-s3d"]
     assert {p["status"] for p in record["pieces"].values()} == {"done"}
     for piece in ("lowering", "kernels"):
@@ -64,7 +64,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
     assert os.path.basename(folder) + "/summary.md" in names and not any("/checkpoints" in n for n in names)
 
     again = suite("--out", out, "--tiny")
-    assert again.returncode == 0 and "0 of 10 pieces to run" in again.stderr
+    assert again.returncode == 0 and "0 of 11 pieces to run" in again.stderr
 
 
 def test_what_is_missing_is_one_line_before_anything_runs(tmp_path):
@@ -80,6 +80,13 @@ def test_lower_only_is_the_lowering_tests_alone(tmp_path):
     args = gpu_suite.parse_args(["--out", str(tmp_path), "--lower-only"])
     (piece,) = gpu_suite.pieces(args, str(tmp_path))
     assert piece.name == "lowering" and "tests/test_gpu_lowering.py" in piece.argv and "-k" not in piece.argv
+
+
+def test_compile_only_is_the_compile_piece_alone_and_it_comes_first(tmp_path):
+    (piece,) = gpu_suite.pieces(gpu_suite.parse_args(["--out", str(tmp_path), "--compile-only"]), str(tmp_path))
+    assert piece.name == "compile" and piece.argv[:2] == ("-m", "benchmarks.h100_compile") and "--only" not in piece.argv
+    everything = gpu_suite.pieces(gpu_suite.parse_args(["--out", str(tmp_path)]), str(tmp_path))
+    assert everything[0] == piece  # compiled before anything is measured
 
 
 FAKE = [Piece("ok", ("-c", "print('fine')")), Piece("bad", ("-c", "import sys; sys.exit(3)")),
