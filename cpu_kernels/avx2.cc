@@ -3,6 +3,7 @@
 
 
 #include "kernels.inc"
+#include "attention.inc"
 
 namespace {
 
@@ -15,6 +16,8 @@ struct Avx2 {
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V loadf(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const uint16_t* p) {
@@ -25,6 +28,15 @@ struct Avx2 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V ldexp(V y, V n) {  // y 2^n for a whole n in [-126, 127], built in the exponent bits
+    __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+  }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -33,7 +45,8 @@ struct Avx2 {
   }
 };
 
-const s3d::Kernels kAvx2 = {"avx2", Loops<Avx2>::kPanel, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run};
+const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run,
+                             &Attention<Avx2>::Run};
 
 }  // namespace
 

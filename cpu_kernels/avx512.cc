@@ -3,6 +3,7 @@
 
 
 #include "kernels.inc"
+#include "attention.inc"
 
 namespace {
 
@@ -15,6 +16,8 @@ struct Avx512 {
   static V set1(float a) { return _mm512_set1_ps(a); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V loadf(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const uint16_t* p) {
@@ -25,10 +28,17 @@ struct Avx512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+  static V round(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V ldexp(V y, V n) { return _mm512_scalef_ps(y, n); }  // y 2^n, n a whole number
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
 };
 
-const s3d::Kernels kAvx512 = {"avx512", Loops<Avx512>::kPanel, &Loops<Avx512>::Tiles, &Loops<Avx512>::Run};
+const s3d::Kernels kAvx512 = {"avx512", Avx512::W, Loops<Avx512>::kPanel, &Loops<Avx512>::Tiles, &Loops<Avx512>::Run,
+                               &Attention<Avx512>::Run};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
-// The XLA FFI handler `s3djax_matmul`: checks its buffers, picks the ISA once, and splits the output's column
-// tiles between XLA's intra-op thread pool and the calling thread.
+// The XLA FFI handlers `s3djax_matmul` and `s3djax_attention`: each checks its buffers, and splits its tiles
+// (the output's column tiles; attention's query rows) between helper threads and the calling thread. The ISA
+// is picked once.
 #include <immintrin.h>
 
 #include <sched.h>
@@ -10,6 +11,7 @@
 #include <mutex>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -42,19 +44,25 @@ const s3d::Kernels* Chosen() {
 }
 
 
+// A spin-wait's step. Every 64th gives the core away: with more runnable threads than cores (XLA's own
+// threads beside ours), a waiter that never yields can hold the core the awaited thread needs.
+inline void Pause(int spins) {
+  if (spins % 64 == 0) sched_yield();
+  else _mm_pause();
+}
+
 // Chunks of tiles are claimed from a shared counter by the calling thread and by helpers alike. The
 // caller never waits for a helper to start: it works until nothing is left to claim, then waits only for
 // chunks already being worked on. A helper that starts after the call returned finds nothing to claim
 // and touches only the shared counters.
 struct Job {
-  s3d::Problem problem;
-  const s3d::Kernels* kernels;
+  std::function<void(int64_t, int64_t)> run;  // over a range of tiles
   int64_t tiles, chunk, chunks;
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
     for (int64_t c; (c = next.fetch_add(1)) < chunks;) {
-      kernels->run(problem, c * chunk, std::min(tiles, (c + 1) * chunk));
+      run(c * chunk, std::min(tiles, (c + 1) * chunk));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -86,7 +94,7 @@ class Helpers {
     for (;;) {
       auto since = std::chrono::steady_clock::now();
       for (int spins = 0; generation_.load(std::memory_order_acquire) == seen; ++spins) {
-        _mm_pause();
+        Pause(spins);
         if ((spins & 1023) == 0 && std::chrono::steady_clock::now() - since > kSpin) {
           std::unique_lock<std::mutex> lock(mu_);
           ++sleepers_;
@@ -131,6 +139,29 @@ Helpers& OwnHelpers() {
 // Below this many weight bytes a product is not worth waking another thread for.
 constexpr int64_t kParallelBytes = 1 << 16;
 
+// Runs `run` over [0, tiles) on the calling thread, and on helpers too where `worth_it`.
+void Parallel(ffi::ThreadPool& pool, int64_t tiles, bool worth_it, std::function<void(int64_t, int64_t)> run) {
+  auto job = std::make_shared<Job>();
+  job->run = std::move(run);
+  job->tiles = tiles;
+  static const bool xla_pool = Env("S3DJAX_CPU_POOL", 0) == 1;
+  int64_t helpers = worth_it ? Threads() - 1 : 0;
+  if (xla_pool) helpers = std::min<int64_t>(helpers, pool.num_threads() - 1);
+  helpers = std::max<int64_t>(0, std::min(helpers, tiles - 1));
+  // Tiles one at a time where they are few (an even split matters more than the claims' cost), else a few
+  // dozen chunks per thread, so a thread that starts late still gets a share.
+  job->chunks = std::min(tiles, std::max<int64_t>(256, (helpers + 1) * 32));
+  job->chunk = (tiles + job->chunks - 1) / job->chunks;
+  job->chunks = (tiles + job->chunk - 1) / job->chunk;
+  if (helpers && xla_pool) {
+    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  } else if (helpers) {
+    OwnHelpers().Offer(job);
+  }
+  job->Work();
+  for (int spins = 1; job->done.load(std::memory_order_acquire) < job->chunks; ++spins) Pause(spins);
+}
+
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::ResultBuffer<ffi::F32> out, int32_t layout_attr) {
   const s3d::Kernels* kernels = Chosen();
@@ -163,29 +194,63 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     return ffi::Error::Success();
   }
 
-  auto job = std::make_shared<Job>();
-  job->problem = p;
-  job->kernels = kernels;
-  job->tiles = kernels->tiles(p);
-  static const bool xla_pool = Env("S3DJAX_CPU_POOL", 0) == 1;
-  int64_t helpers = static_cast<int64_t>(w.size_bytes()) >= kParallelBytes ? Threads() - 1 : 0;
-  if (xla_pool) helpers = std::min<int64_t>(helpers, pool.num_threads() - 1);
-  helpers = std::max<int64_t>(0, std::min(helpers, job->tiles - 1));
-  // A few chunks per thread, so a thread that starts late still gets a share.
-  job->chunks = std::min(job->tiles, (helpers + 1) * 4);
-  job->chunk = (job->tiles + job->chunks - 1) / job->chunks;
-  job->chunks = (job->tiles + job->chunk - 1) / job->chunk;
-  if (helpers && xla_pool) {
-    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  } else if (helpers) {
-    OwnHelpers().Offer(job);
-  }
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->chunks) _mm_pause();
+  Parallel(pool, kernels->tiles(p), static_cast<int64_t>(w.size_bytes()) >= kParallelBytes,
+           [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
+  return ffi::Error::Success();
+}
+
+// Below this many reads (visible keys x query rows x heads x head size) attention stays on the calling thread.
+constexpr int64_t kParallelAttention = 1 << 18;
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> tree, ffi::Result<ffi::AnyBuffer> out,
+                  float scale) {
+  const s3d::Kernels* kernels = Chosen();
+  if (!kernels) return ffi::Error::Internal("s3djax_attention: this CPU has neither AVX2 with FMA nor AVX-512");
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = tree.dimensions(), od = out->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || td.size() != 3 || od.size() != 4 ||
+      lengths.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("s3djax_attention: q, k, v, out must be 4-D, tree 3-D and lengths 1-D");
+  int64_t b = qd[0], t = qd[1], h = qd[2], d = qd[3], s = kd[1], kv = kd[2];
+  bool same_kv = kd[0] == b && kd[3] == d && vd[0] == kd[0] && vd[1] == kd[1] && vd[2] == kd[2] && vd[3] == kd[3];
+  if (!same_kv || kv == 0 || h % kv != 0)
+    return ffi::Error::InvalidArgument("s3djax_attention: k and v must be [B, S, KV, D] with KV dividing q's heads");
+  if (d > 16 * kernels->lanes)
+    return ffi::Error::InvalidArgument("s3djax_attention: heads wider than 16 vectors are not supported");
+  if (lengths.dimensions()[0] != b || td[0] != b || td[1] != t)
+    return ffi::Error::InvalidArgument("s3djax_attention: lengths must be [B] and tree [B, T, W]");
+  for (int i = 0; i < 4; ++i)
+    if (od[i] != qd[i]) return ffi::Error::InvalidArgument("s3djax_attention: out must have q's shape");
+  s3d::WeightType type;
+  auto et = q.element_type();
+  if (et == ffi::DataType::F32) type = s3d::WeightType::kF32;
+  else if (et == ffi::DataType::BF16) type = s3d::WeightType::kBF16;
+  else return ffi::Error::InvalidArgument("s3djax_attention: q, k and v must be float32 or bfloat16");
+  if (k.element_type() != et || v.element_type() != et || out->element_type() != et)
+    return ffi::Error::InvalidArgument("s3djax_attention: q, k, v and out must share one dtype");
+  if (b * t * h * d == 0) return ffi::Error::Success();
+  s3d::AttentionProblem p{q.untyped_data(), k.untyped_data(), v.untyped_data(), lengths.typed_data(),
+                          tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type};
+  int64_t keys = 0;
+  for (int64_t i = 0; i < b; ++i) keys += std::min<int64_t>(std::max<int32_t>(p.lengths[i], 0), s) + td[2];
+  int64_t reads = keys * t * h * d;
+  Parallel(pool, b * kv * t, reads >= kParallelAttention,
+           [kernels, p](int64_t first, int64_t end) { kernels->attend(p, first, end); });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dAttention, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dMatmul, Matmul,
                               ffi::Ffi::Bind()

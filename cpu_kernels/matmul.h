@@ -23,14 +23,34 @@ struct Problem {
   Layout layout;
 };
 
-// The output columns fall into tiles that depend on N and the ISA only, never on M, and each output
-// element is one fixed sequence of fused multiply-adds over K: row i of an M-row product is bit-identical
-// to the same row computed alone, and to any split of the tiles across threads.
+// Attention of T new query rows over a KV cache: row t of batch b sees every slot below lengths[b], and the
+// scratch slot lengths[b] + j where tree[b, t, j] (j < W). q [B, T, H, D], k and v [B, S, KV, D] and out
+// [B, T, H, D] share one float type (`type`: kF32 or kBF16); a KV head serves H / KV query heads.
+struct AttentionProblem {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* lengths;
+  const bool* tree;
+  void* out;
+  int64_t b, t, h, kv, d, s, w;
+  float scale;  // multiplies q before its dot products
+  WeightType type;
+};
+
+// A product's tiles are its column tiles (which depend on N and the ISA only) times groups of rows, and
+// each output element is one fixed sequence of fused multiply-adds over K: row i of an M-row product is
+// bit-identical to the same row computed alone, and to any split of the tiles across threads.
 struct Kernels {
   const char* name;
+  int64_t lanes;  // floats per vector
   int64_t panel;  // columns per packed panel
   int64_t (*tiles)(const Problem&);
   void (*run)(const Problem&, int64_t first_tile, int64_t end_tile);
+  // Attention's tiles are (batch, KV head, query row) triples, B * KV * T of them; a head holds at most 16
+  // vectors. A row's output depends only on the keys it
+  // sees, in slot order, never on T, W or the masked slots.
+  void (*attend)(const AttentionProblem&, int64_t first_tile, int64_t end_tile);
 };
 
 const Kernels* Avx2Kernels();

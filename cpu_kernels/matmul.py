@@ -29,6 +29,7 @@ import numpy as np
 from cpu_kernels.build import LIBRARY
 
 TARGET = "s3djax_matmul"
+ATTENTION_TARGET = "s3djax_attention"  # cpu_kernels.attention's, in the same library
 SWITCH = "S3DJAX_CPU_KERNEL"   # "0" turns the kernel off: every product goes through XLA's dot
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
@@ -58,7 +59,7 @@ def reference(x, w, scale=None, layout: str = "kn"):
 
 @functools.cache
 def unavailable() -> str | None:
-    """Why the kernel cannot run in this process, or None once its handler is registered with XLA."""
+    """Why the kernels cannot run in this process, or None once their handlers are registered with XLA."""
     if os.environ.get(SWITCH, "1") == "0":
         return f"turned off by {SWITCH}=0"
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -72,6 +73,7 @@ def unavailable() -> str | None:
     if lib.s3d_cpu_isa() is None:
         return "this CPU has neither AVX2 with FMA nor AVX-512"
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.S3dMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.S3dAttention), platform="cpu")
     return None
 
 

@@ -44,7 +44,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention: str = "xla"
-    cpu_kernel: bool = True  # products on the CPU through the native decode matmul, where it can run
+    cpu_kernel: bool = True  # on the CPU, products and decode-time attention through the native kernels (cpu_kernels)
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:

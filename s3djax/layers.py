@@ -65,31 +65,52 @@ def apply_rope(x, cos, sin):
 
 
 KEY_BLOCK = 128  # keys per step of the occupied-prefix loop
+MAX_CPU_HEAD = 128  # the widest head the native CPU attention takes (cpu_kernels.attention.MAX_HEAD)
 
 
-def attend(q, k, v, mask, new=None, impl: str = "xla"):
+def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False):
     """Grouped-query attention of new queries over the cache.
 
     q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] bool (True: may attend), or a
     `PrefixTreeMask` (every decode-time step), which reads only the occupied prefix: the Pallas
     tree-attention kernel (`impl="pallas"`, given the new tokens' own K/V `new` = (k, v)
-    [B, T, K, D]) or XLA in key blocks up to the run-time length, so a step's cost does not grow
-    with the cache's size. Returns [B, T, H*D].
-    A KV head's query group is folded into the rows of one matmul ([G*T, D] x [D, S]), which XLA
-    runs faster than a batched matmul over a separate group axis.
+    [B, T, K, D]), on the CPU the native kernel (`cpu_kernel`, `cpu_kernels.attention`), or XLA in
+    key blocks up to the run-time length, so a step's cost does not grow with the cache's size.
+    Returns [B, T, H*D].
     """
     b, t, h, d = q.shape
-    kv_heads = k.shape[2]
-    g = h // kv_heads
     if isinstance(mask, PrefixTreeMask):
         if impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2]:
             from pallas_kernels.tree_attention import tree_attention
 
             return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
-        if k.shape[1] > KEY_BLOCK:
-            out = _attend_prefix(_grouped(q, kv_heads) * (d ** -0.5), k, v, mask, g)
-            return _ungrouped(out, t)
-        mask = mask.dense(k.shape[1])
+        if cpu_kernel and q.dtype == k.dtype == v.dtype and d <= MAX_CPU_HEAD and quant.cpu_kernels_usable():
+            return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
+        return _xla_prefix_attend(q, k, v, mask)
+    return _xla_attend(q, k, v, mask)
+
+
+def _cpu_attend(q, k, v, mask: PrefixTreeMask):
+    from cpu_kernels.attention import attention
+
+    b, t, h, d = q.shape
+    return attention(q, k, v, mask.lengths, mask.tree, d ** -0.5).reshape(b, t, h * d)
+
+
+def _xla_prefix_attend(q, k, v, mask: PrefixTreeMask):
+    b, t, h, d = q.shape
+    if k.shape[1] > KEY_BLOCK:
+        out = _attend_prefix(_grouped(q, k.shape[2]) * (d ** -0.5), k, v, mask, h // k.shape[2])
+        return _ungrouped(out, t)
+    return _xla_attend(q, k, v, mask.dense(k.shape[1]))
+
+
+def _xla_attend(q, k, v, mask):
+    """Dense-mask attention: a KV head's query group folded into the rows of one matmul ([G*T, D] x
+    [D, S]), which XLA runs faster than a batched matmul over a separate group axis."""
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    g = h // kv_heads
     scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv_heads), k, preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(jnp.tile(mask, (1, g, 1))[:, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -157,7 +178,7 @@ class Attention(nn.Module):
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         layer_cache = kv.write(layer_cache, k, v, slots)
         new = (k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype))
-        out = attend(q, layer_cache["k"], layer_cache["v"], mask, new, c.attention)
+        out = attend(q, layer_cache["k"], layer_cache["v"], mask, new, c.attention, c.cpu_kernel)
         return linear(self, "o", (q_size, d), out, lora), layer_cache
 
 

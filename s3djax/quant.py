@@ -247,8 +247,11 @@ CPU_KERNEL_MAX_ROWS = 4096
 
 
 def _use_cpu_kernel(wanted: bool, h) -> bool:
-    if not wanted or math.prod(h.shape[:-1]) > CPU_KERNEL_MAX_ROWS:
-        return False
+    return wanted and math.prod(h.shape[:-1]) <= CPU_KERNEL_MAX_ROWS and cpu_kernels_usable()
+
+
+def cpu_kernels_usable() -> bool:
+    """Whether the native CPU kernels (`cpu_kernels`: the matmul and decode attention) run in this process."""
     from cpu_kernels import matmul
 
     return matmul.usable()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import matmul as cm
+from s3djax import cache as kv
 from s3djax import methods, quant
 from s3djax.decode import Runner
 
@@ -59,14 +60,18 @@ def test_kernel_against_reference_and_rows_alone():
     check_all()
 
 
-def test_kernel_on_avx2():
-    """The same checks with the AVX2 loops (a CPU without AVX-512 runs these)."""
-    code = "from tests.test_cpu_matmul import check_all; from cpu_kernels import matmul; " \
+def on_avx2(module: str):
+    """Run `module`'s check_all in a subprocess on the AVX2 loops (what a CPU without AVX-512 runs)."""
+    code = f"from {module} import check_all; from cpu_kernels import matmul; " \
            "assert matmul.isa() == 'avx2', matmul.isa(); check_all()"
     env = {**os.environ, "S3DJAX_CPU_ISA": "avx2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_kernel_on_avx2():
+    on_avx2("tests.test_cpu_matmul")
 
 
 def test_pack_round_trip_and_gradient():
@@ -129,12 +134,15 @@ def test_model_logits_match_xla(smollm2):
             == kernel
         runner = Runner(built.decoder, built.params)
         state = runner.prefill(prompt)
-        hidden, _ = built.decoder._step(built.params, jnp.asarray([[5, 6, 7]]), jnp.asarray([[24, 25, 26]]),
-                                        state["cache"], jnp.asarray([24]),
-                                        jnp.ones((1, 3, 64), bool).at[:, :, 27:].set(False))
-        logits[kernel] = np.asarray(built.decoder._logits(built.params, hidden))
-    assert np.abs(logits[True] - logits[False]).max() < 1e-3 * np.abs(logits[False]).max()
-    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
+        # A dense mask (XLA's attention) and the decode mask (the native attention where the kernel runs).
+        for mask in (jnp.ones((1, 3, 64), bool).at[:, :, 27:].set(False), kv.causal(jnp.asarray([24]), 3)):
+            hidden, _ = built.decoder._step(built.params, jnp.asarray([[5, 6, 7]]), jnp.asarray([[24, 25, 26]]),
+                                            state["cache"], jnp.asarray([24]), mask)
+            logits[kernel, type(mask) if isinstance(mask, kv.PrefixTreeMask) else jax.Array] = np.asarray(built.decoder._logits(built.params, hidden))
+    for mask in (jax.Array, kv.PrefixTreeMask):
+        got, want = logits[True, mask], logits[False, mask]
+        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+        assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("quantization", [None, "int8-all"])
