@@ -46,7 +46,7 @@ def test_a_kernel_setting_that_overflows_shared_memory_fails_to_compile(compiler
 
 def test_the_report_checks_memory_and_the_64_node_verify():
     def step(case, peak, flops=0.0, bytes_accessed=0.0):
-        return {"case": case, "ok": True, "seconds": 1.0, "kernels": [], "flops": flops, "bytes_accessed": bytes_accessed,
+        return {"case": case, "ok": True, "seconds": 1.0, "kernels": [], "launches": 1, "max_shared_bytes": 0, "flops": flops, "bytes_accessed": bytes_accessed,
                 "memory": {"argument": peak, "output": 0, "alias": 0, "temp": 0, "generated_code": 0, "peak": peak}}
 
     records = [step("step/llama-2-7b/bf16-xla/ar/loop", 100), step("step/llama-2-7b/bf16-xla/s3d-g4/loop", 110),
