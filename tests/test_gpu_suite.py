@@ -73,7 +73,7 @@ def test_what_is_missing_is_one_line_before_anything_runs(tmp_path):
     assert r.stderr.startswith("error: missing: a CUDA GPU") and f"training shards in {tmp_path / 'none'}" in r.stderr
     assert not any(d.startswith("gpu-suite-") for d in os.listdir(tmp_path))  # failed before making its folder
     bad = suite("--out", str(tmp_path), "--only", "benchmark")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown piece 'benchmark'; the pieces: lowering, kernels")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown piece 'benchmark'; the pieces: compile, lowering, kernels")
 
 
 def test_lower_only_is_the_lowering_tests_alone(tmp_path):
