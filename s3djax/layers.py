@@ -65,7 +65,6 @@ def apply_rope(x, cos, sin):
 
 
 KEY_BLOCK = 128  # keys per step of the occupied-prefix loop
-MAX_CPU_HEAD = 128  # the widest head the native CPU attention takes (cpu_kernels.attention.MAX_HEAD)
 
 
 def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False):
@@ -84,8 +83,11 @@ def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False)
             from pallas_kernels.tree_attention import tree_attention
 
             return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
-        if cpu_kernel and q.dtype == k.dtype == v.dtype and d <= MAX_CPU_HEAD and quant.cpu_kernels_usable():
-            return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
+        if cpu_kernel and q.dtype == k.dtype == v.dtype and quant.cpu_kernels_usable():
+            from cpu_kernels.attention import MAX_HEAD
+
+            if d <= MAX_HEAD:
+                return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
         return _xla_prefix_attend(q, k, v, mask)
     return _xla_attend(q, k, v, mask)
 
