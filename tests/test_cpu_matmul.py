@@ -20,8 +20,9 @@ from s3djax.decode import Runner
 pytestmark = pytest.mark.skipif(cm.unavailable() is not None, reason=f"CPU kernel: {cm.unavailable()}")
 
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
-# (M, K, N): decode shapes, odd K and N (ragged vectors), one K, and rows past every register block.
-SHAPES = [(1, 576, 192), (2, 77, 129), (5, 577, 1), (9, 16, 33), (17, 31, 70), (32, 100, 64)]
+# (M, K, N): decode shapes, odd K and N (ragged vectors), one K, rows past every register block, and K in
+# several L1 chunks under several register blocks.
+SHAPES = [(1, 576, 192), (2, 77, 129), (5, 577, 1), (7, 300, 70), (9, 16, 33), (17, 31, 70), (32, 100, 64)]
 
 
 def inputs(m, k, n, dtype, layout, seed=0):
