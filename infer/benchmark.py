@@ -22,7 +22,7 @@ import numpy as np
 from s3djax.cli import Parser, run, sampling
 from s3djax.methods import METHODS, default_gamma
 
-DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,hf-ar,hf-early-exit,hf-prompt-lookup"
+DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup,hf-ar,hf-early-exit,hf-prompt-lookup"
 
 
 def parse_args(argv=None):
@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d; ar-xla (ar with "
+                   help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d, lookup; ar-xla (ar with "
                    "XLA's dot instead of the CPU matmul kernel); the Hugging Face peers hf-ar, hf-early-exit, "
                    "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
                    "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is)")

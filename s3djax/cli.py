@@ -48,7 +48,8 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--gamma", type=int, help="positions drafted per step (s3d; default: a named tree's "
                           "depth, else the platform's measured fastest: 2 on a CPU, the paper's 4 elsewhere)")
         self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo and "
-                          "s2d (default: the one their file records as measured fastest, else the paper's 6)")
+                          "s2d (default: the one their file records as measured fastest, else the paper's 6), and "
+                          "lookup (default 2)")
         self.add_argument("--tree", help="token tree: chain, topK (the chain plus the next K-1 "
                           "candidates at each depth; default: the one the draft's file records as measured fastest, "
                           "else chain), dynamic-N (s3d: the N likeliest paths by the draft's joint "
@@ -59,6 +60,8 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--thresholds", help="s2d: per-exit confidence thresholds a,b,c (default: the draft's "
                           "for this target)")
         self.add_argument("--target-from", help="s2d: verify with this full-mode s3d draft's fine-tuned layers")
+        self.add_argument("--ngram", type=int, help="lookup: the longest n-gram of the last tokens matched in the "
+                          "prompt and output (down to 1; default 3)")
 
     def check(self, args, **valid):
         """`--flag-name: invalid value` for each flag_name=False. Sampling and method options are the

@@ -16,7 +16,7 @@ from s3djax.model import abstract_params
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 
-METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
+METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup")
 
 
 # S3D's chain depth measured fastest per platform (benchmarks/results/defaults-kernel-cpu-2026-11-24.md: on
@@ -24,6 +24,11 @@ METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 # measured it: the paper's 4.
 FASTEST_GAMMA = {"cpu": 2}
 PAPER_GAMMA = 4
+# Prompt lookup's deepest draft and longest n-gram (transformers' prompt_lookup_num_tokens, vLLM's
+# prompt_lookup_max): max draft 2 measured fastest on the CPU, on MT-Bench and HumanEval alike
+# (benchmarks/results/lookup-depth-cpu-2026-11-25.md: 1.16x and 1.28x ar, against 1.04x and 1.12x at 4).
+LOOKUP_DEPTH = 2
+LOOKUP_NGRAM = 3
 
 
 def default_gamma(tree: str | None) -> int:
@@ -53,6 +58,7 @@ class Options:
     eta: float | None = None        # kangaroo: stop drafting at top-1 confidence <= eta (None: the adapter's)
     thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
+    ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
 
 
 def options(args, method: str) -> dict:
@@ -69,14 +75,16 @@ def options(args, method: str) -> dict:
             raise UserError(f"--draft names unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
         draft = pairs.get(method)
     return dict(skip=args.skip, gamma=args.gamma, tree=args.tree, draft_path=draft, max_draft=args.max_draft,
-                exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from)
+                exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from,
+                ngram=args.ngram)
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
           dtype: str = "float32", **options) -> Built:
     """Options: see `Options`. draft_path: a trained draft (or a plan or adapter) file; None takes the
     model's shipped one if it has one, and "none" the untrained draft where the method has one."""
-    builders = {"ar": _ar, "s3d": _s3d, "self-spec": _self_spec, "kangaroo": _kangaroo, "s2d": _s2d}
+    builders = {"ar": _ar, "s3d": _s3d, "self-spec": _self_spec, "kangaroo": _kangaroo, "s2d": _s2d,
+                "lookup": _lookup}
     if method not in builders:
         raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     unknown = set(options) - {f.name for f in dataclasses.fields(Options)}
@@ -188,3 +196,20 @@ def _s2d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.s2d_artifact import build_s2d
 
     return build_s2d(m, ar, opts, dtype)
+
+
+def _lookup(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
+    from s3djax.speculative.drafters.lookup import LookupDrafter
+    from s3djax.speculative.loop import SpecDecoder
+    from s3djax.speculative.tree import TreeSpec
+
+    if opts.draft_path not in (None, "none"):
+        raise UserError(f"lookup drafts from the prompt and output, with no draft file (got {opts.draft_path})")
+    if opts.tree not in (None, "chain"):
+        raise UserError(f"lookup drafts one continuation, so its tree is the chain, not {opts.tree}")
+    ngram = LOOKUP_NGRAM if opts.ngram is None else opts.ngram
+    if ngram < 1:
+        raise UserError(f"--ngram must be at least 1, got {ngram}")
+    tree = TreeSpec.chain(opts.max_draft or LOOKUP_DEPTH)
+    return Built(SpecDecoder.create(ar, LookupDrafter(m.config, tree, ngram)), (m.params, {}), [],
+                 f"prompt lookup, n-grams {ngram} to 1, max draft {tree.depth}")

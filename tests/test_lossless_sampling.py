@@ -21,6 +21,7 @@ from s3djax.speculative import tree as trees
 from s3djax.speculative import verify as verify_module
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
+from s3djax.speculative.drafters.lookup import LookupDrafter
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
@@ -128,6 +129,13 @@ def test_a_kangaroo_draft_vocabulary_samples_the_target_distribution(params):
     drafter = KangarooDrafter(SMALL, trees.TreeSpec.spine(3, 2), exit_layer=1, eta=0.0)
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
     assert chi_square_p(sampled_joint(params, decoder, adapter), exact_joint(params, T1)) > SIGNIFICANCE
+
+
+def test_prompt_lookup_samples_the_target_distribution(params):
+    # Point-mass drafts: tokens of the prompt and of the draws so far, accepted with the target's probability.
+    decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=SHAPED),
+                                 LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2))
+    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, SHAPED)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):
