@@ -278,7 +278,7 @@ def summarize_kernels(kernels: list[dict]) -> dict:
 def cost(text: str) -> dict:
     """Flops and bytes accessed of the compiled (fused) H100 module, by XLA's cost analysis run with the
     CPU client: the compiled executable's own cost_analysis() is empty without a device. A Pallas
-    kernel counts its operands' and results' bytes (the whole cache buffer) and no flops."""
+    kernel (a custom call) counts neither bytes nor flops, so only steps without one are projected."""
     import jax
     from jax._src.lib import xla_client
     from jaxlib import _hlo
@@ -287,26 +287,40 @@ def cost(text: str) -> dict:
     return {"flops": costs.get("flops", 0.0), "bytes_accessed": costs.get("bytes accessed", 0.0)}
 
 
+# A linear product's GEMM split along K (XLA's default tiling for a few rows over a long K, without autotuning)
+# writes f32 partial sums [splits, M, N] that a second fusion reads back and adds.
+SPLIT_K = re.compile(r"^\s*%gemm_fusion[\w.]* = f32\[(\d+),(\d+),(\d+)\][^\n]*op_name=\"[^\"\n]*\.\.\.k,kn->", re.M)
+
+
+def split_k_bytes(text: str) -> int:
+    """Bytes of the f32 partial sums the split-K GEMMs of the model's linear products write (once each)."""
+    return sum(4 * a * b * c for a, b, c in ((int(x) for x in m) for m in SPLIT_K.findall(text)))
+
+
 def compile_case(case: str, with_cost: bool = False) -> dict:
     """Compiles one case for the H100 and returns its record (raises what the compiler raises)."""
     import jax
 
+    from s3djax import quant
+
     fn, args, donate = case_function(case)
     sharding, kind = target_sharding()
+    options = quant.compiler_options(args)  # as the Runner compiles the same step
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         lowered = jax.jit(fn, donate_argnums=donate).trace(*on(sharding, args)).lower()
-        compiled = lowered.compile({"xla_dump_to": dump})  # the launch sequence and the PTX, read below
+        compiled = lowered.compile({"xla_dump_to": dump, **options})  # the launch sequence and the PTX, read below
         seconds = time.perf_counter() - start
         kernels = kernels_from_dump(dump)
     m = compiled.memory_analysis()
     memory = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp", "generated_code")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     record = {"case": case, "ok": True, "seconds": round(seconds, 2), "target": kind, "memory": memory,
-              **summarize_kernels(kernels)}
+              **({"compiler_options": options} if options else {}), **summarize_kernels(kernels)}
     if with_cost:
         try:
-            record.update(cost(compiled.as_text()))
+            text = compiled.as_text()
+            record.update(cost(text), split_k_bytes=split_k_bytes(text))
         except Exception as e:  # a jaxlib without these internals: the compile still counts, the cost is left out
             record["cost_error"] = f"{type(e).__name__}: {e}"[:300]
     return record
@@ -372,6 +386,11 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def has_roofline(variant: str) -> bool:
+    """Whether a variant's steps can be projected: XLA's attention and products, which its cost analysis counts."""
+    return VARIANTS[variant][1:] == ("xla", "xla")
+
+
 def roofline_ms(r: dict) -> tuple[float, float]:
     return r["bytes_accessed"] / HBM_BYTES_PER_S * 1e3, r["flops"] / PEAK_FLOPS * 1e3
 
@@ -408,8 +427,14 @@ def checks(steps: dict) -> list[str]:
                                              for k in ("argument", "output", "temp") if s3d["memory"][k] != ar["memory"][k]))
         out.append(line)
     for variant in VARIANTS:
+        if not has_roofline(variant):
+            out.append(f"- not projected, {variant}: XLA's cost analysis counts neither bytes nor flops for a Pallas kernel "
+                       "(a custom call), so a step that runs one has no roofline; the -xla variants project the same "
+                       "products and attention")
+            continue
         ar, tree = steps.get(("llama-2-7b", variant, "ar", "ar-step")), steps.get(("llama-2-7b", variant, "s3d-tree64", "verify"))
         if not (ar and tree and "flops" in ar and "flops" in tree):
+            out.append(f"- 64-node verify, llama-2-7b {variant}: not compiled")
             continue
         ta, tt = max(roofline_ms(ar)), max(roofline_ms(tree))
         verdict = "PASS" if tt <= 1.3 * ta else "FAIL"
@@ -419,6 +444,13 @@ def checks(steps: dict) -> list[str]:
             bt, ft = roofline_ms(tree)
             line += (f"; cause: bytes {tree['bytes_accessed'] / 1e9:.2f} GB vs AR's {ar['bytes_accessed'] / 1e9:.2f} GB "
                      f"({bt:.2f} ms), flops {tree['flops'] / 1e12:.2f} T ({ft:.2f} ms)")
+            if "split_k_bytes" in tree and "split_k_bytes" in ar:
+                def unsplit(r):  # the partial sums are written, then read back: twice in bytes accessed
+                    return max(roofline_ms(dict(r, bytes_accessed=r["bytes_accessed"] - 2 * r["split_k_bytes"])))
+
+                line += (f"; {2 * tree['split_k_bytes'] / 1e9:.2f} GB of the verify's bytes are split-K partial sums of "
+                         "its 65-row products, f32, written and read back, under XLA's default GEMM tilings (no "
+                         f"autotuning without a device); without them {unsplit(tree) / unsplit(ar):.2f}x")
         out.append(line)
     return out + [""]
 
@@ -434,7 +466,10 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
              f"- steps: bf16 weights (int8: per-channel int8), bf16 cache of {MAX_CACHE_LEN} slots (+ the method's slack), "
              f"a {PROMPT}-token prefill bucket, untrained drafts; methods at their measured CPU settings "
              "(s3d gamma 2, self-spec/kangaroo/s2d one draft token, kangaroo's top4 tree); s3d-g4 is the GPU suite's "
-             "S3D default (gamma 4), s3d-tree64 S3D's verify over configs/trees/tree-64.yaml", ""]
+             "S3D default (gamma 4), s3d-tree64 S3D's verify over configs/trees/tree-64.yaml",
+             "- int8-xla steps compile with `xla_gpu_dot_merger_threshold_mb=0`, as the Runner compiles them "
+             "(`s3djax.quant.compiler_options`): XLA's dot merging would convert each int8 weight of a merged product "
+             "into a bf16 buffer, which a loop body's draft and verification then share, live from one to the other", ""]
     if not_run:
         lines += [f"Not compiled in this run ({len(not_run)} cases; `--resume` compiles them): "
                   + ", ".join(f"`{c}`" for c in not_run), ""]
@@ -458,8 +493,8 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
                                  f"{' '.join('.'.join(x) for x in k.get('mma', [])) or '-'} |")
     lines += ["", "## Steps", "",
               "Memory from compiled.memory_analysis() for the H100 (peak = argument + output - alias + temp); flops "
-              "and bytes from XLA's cost analysis of the compiled, fused H100 module (a Pallas kernel counts its "
-              "operands' bytes, the whole cache buffer, and no flops; a loop counts its body once; jit drops unused "
+              "and bytes from XLA's cost analysis of the compiled, fused H100 module (a Pallas kernel, a custom call, "
+              "counts neither, so steps with one are not projected; a loop counts its body once; jit drops unused "
               "arguments, so a draft step's argument bytes are the layers it reads). Roofline: "
               f"bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s and flops / {PEAK_FLOPS / 1e12:.0f} TFLOP/s (bf16 dense); "
               "**a projection, not a measurement**.", "",
@@ -469,7 +504,7 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
     for (model, variant, method, step), r in steps.items():
         m = r["memory"]
         proj = "-"
-        if "flops" in r and step != "loop":
+        if "flops" in r and step != "loop" and has_roofline(variant):
             b, f = roofline_ms(r)
             proj = f"{max(b, f):.3f} ({b:.3f} / {f:.3f})"
         lines.append(f"| {model} | {variant} | {method} | {step} | {r['seconds']} | {gib(m['argument'])} | {gib(m['output'])} | "
@@ -503,7 +538,7 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
 def main(argv=None):
     from s3djax.cli import Parser, run  # noqa: F401  (run wraps main below)
 
-    p = Parser(prog="python -m benchmarks.h100_compile", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m benchmarks.h100_compile", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--case", help="compile one case in this process and print its record as JSON")
     p.add_argument("--cost", action="store_true", help="with --case: add flops and bytes accessed")
     p.add_argument("--subset", choices=("all", "ci", "kernels", "steps"), default="all")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import cache as kv
+from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.model import Decoder
@@ -121,7 +122,8 @@ class Runner:
             return self._executables[key], 0.0
         t = time.perf_counter()
         donate = (1,) if name == "decode" else ()  # the state, cache included, is updated in place
-        self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile()
+        self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(
+            quant.compiler_options(self.params))
         return self._executables[key], time.perf_counter() - t
 
     def _prompt_args(self, prompt_ids: list[int], seed: int):

@@ -52,9 +52,28 @@ def test_the_report_checks_memory_and_the_64_node_verify():
     records = [step("step/llama-2-7b/bf16-xla/ar/loop", 100), step("step/llama-2-7b/bf16-xla/s3d-g4/loop", 110),
                step("step/llama-2-7b/bf16-xla/ar/ar-step", 100, 1e9, 13e9),
                step("step/llama-2-7b/bf16-xla/s3d-tree64/verify", 100, 9e11, 13.5e9),
-               {"case": "kernel/tree-attention/llama-2-7b/T65/S8192", "ok": False, "error": "RESOURCE_EXHAUSTED: shared memory"}]
+               {"case": "kernel/tree-attention/llama-2-7b/T65/S8192", "ok": False, "error": "RESOURCE_EXHAUSTED: shared memory"},
+               step("step/llama-2-7b/int8-xla/ar/ar-step", 100, 1e9, 10e9) | {"split_k_bytes": 0},
+               step("step/llama-2-7b/int8-xla/s3d-tree64/verify", 100, 9e11, 15e9) | {"split_k_bytes": 2e9}]
     text = h100_compile.report(records, {"_about": "test"}, 1.0)
     assert "FAIL: S3D's peak memory (decode loop, gamma 4) is 1.100x AR's, llama-2-7b bf16-xla" in text
     assert "argument 0.0 MiB more" in text
     assert "PASS: a 64-node verify at the 7B shape is projected at 1.04x an AR step, bf16-xla" in text
+    assert "FAIL: a 64-node verify at the 7B shape is projected at 1.50x an AR step, int8-xla" in text
+    assert "4.00 GB of the verify's bytes are split-K partial sums" in text and "without them 1.10x" in text
     assert "- `kernel/tree-attention/llama-2-7b/T65/S8192`: RESOURCE_EXHAUSTED" in text
+    assert "- not projected, int8-pallas: XLA's cost analysis counts neither bytes nor flops for a Pallas kernel" in text
+
+
+def test_int8_products_on_xla_compile_without_dot_merging():
+    # XLA's DotMerger joins q/k/v and gate/up into one GEMM that cannot fuse the int8 -> bf16 converts; a loop
+    # body's draft and verification then share the converted copies, live from one to the other (S3D's peak
+    # 1.34x AR's at the 7B shape, int8-xla). The Runner, step timing and these compiles turn it off for them.
+    import jax.numpy as jnp
+
+    from s3djax import quant
+
+    w = jnp.ones((8, 8), jnp.float32)
+    xla, pallas = quant.linear(w, "int8", jnp.bfloat16), quant.linear(w, "int8", jnp.bfloat16, "pallas")
+    assert quant.compiler_options(({"layers_0": {"q": xla}, "embed": w}, {})) == {"xla_gpu_dot_merger_threshold_mb": 0}
+    assert quant.compiler_options({"layers_0": {"q": pallas}}) == quant.compiler_options({"layers_0": {"q": w}}) == {}
