@@ -176,9 +176,9 @@ def compiler_options(params) -> dict:
     XLA's DotMerger joins the products that share an input (q/k/v, gate/up) into one GEMM over the
     concatenated weights, and that GEMM cannot fuse the int8 -> bf16 converts: each weight is converted into
     a bf16 buffer of its own. Where a draft and its verification read the same layers in one loop body, CSE
-    shares those buffers, so they stay live from the draft to the verification: 2.6 GiB more than AR at
-    Llama-2-7B's shape (S3D, gamma 4), 70 MiB at SmolLM2's (benchmarks/results/h100-compile-*). Unmerged, each
-    product converts inside its own GEMM. Products are unchanged, and other platforms ignore the option.
+    shares those buffers, so they stay live from the draft to the verification: 2.6 GiB more temp than AR at
+    Llama-2-7B's shape (S3D, gamma 4), 70 MiB of copies at SmolLM2's (docs/gpu-compile.md). Unmerged, each
+    product converts inside its own GEMM (a GPU may tile it otherwise); other platforms ignore the option.
     """
     leaves = jax.tree.leaves(params, is_leaf=is_weight)
     if any(isinstance(w, Int8Weight) and w.kernel == "xla" for w in leaves):
