@@ -62,6 +62,8 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--target-from", help="s2d: verify with this full-mode s3d draft's fine-tuned layers")
         self.add_argument("--ngram", type=int, help="lookup: the longest n-gram of the last tokens matched in the "
                           "prompt and output (down to 1; default 3)")
+        self.add_argument("--lookup", type=int, help="s3d: draft a step's chain by prompt lookup instead, wherever "
+                          "the last N or more tokens occurred before (0: never)")
 
     def check(self, args, **valid):
         """`--flag-name: invalid value` for each flag_name=False. Sampling and method options are the

@@ -118,7 +118,7 @@ class Generator:
     model: a registry name, a .gguf file or a Hugging Face checkpoint folder (`checkpoint` for a
     registry shape such as llama-2-7b). method and **options: the default method and its options
     (`methods.Options`: skip, gamma, tree, draft_path, max_draft, exit_layer, eta, thresholds,
-    target_from, ngram); `generate` and `stream` may name others. quant: None keeps the weights as stored,
+    target_from, ngram, lookup); `generate` and `stream` may name others. quant: None keeps the weights as stored,
     "int8" or "int8-all" quantizes on load. load=False reads the weights on first use (`load`).
     """
 

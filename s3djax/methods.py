@@ -29,6 +29,11 @@ PAPER_GAMMA = 4
 # (benchmarks/results/lookup-depth-cpu-2026-11-25.md: 1.16x and 1.28x ar, against 1.04x and 1.12x at 4).
 LOOKUP_DEPTH = 2
 LOOKUP_NGRAM = 3
+# S3D's chain gives way to lookup's at a step whose last N+ tokens occurred before (0: never), N per platform: 1
+# measured fastest on the CPU (benchmarks/results/s3d-lookup-cpu-2026-11-25.md: 1.25x and 1.54x ar on MT-Bench
+# and HumanEval, against 1.21x/1.42x at 2, 1.16x/1.36x at 3 and 1.02x/1.18x without lookup). No GPU has
+# measured it: the paper's S3D, without lookup.
+S3D_LOOKUP = {"cpu": 1}
 
 
 def default_gamma(tree: str | None) -> int:
@@ -59,6 +64,7 @@ class Options:
     thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
+    lookup: int | None = None       # s3d: switch a step's chain to lookup's where N+ tokens match (0: never)
 
 
 def options(args, method: str) -> dict:
@@ -76,7 +82,7 @@ def options(args, method: str) -> dict:
         draft = pairs.get(method)
     return dict(skip=args.skip, gamma=args.gamma, tree=args.tree, draft_path=draft, max_draft=args.max_draft,
                 exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from,
-                ngram=args.ngram)
+                ngram=args.ngram, lookup=args.lookup)
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
@@ -137,6 +143,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative import draft_vocab
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
+    from s3djax.speculative.drafters.lookup import WithLookup
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
@@ -159,9 +166,18 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
+    switch = S3D_LOOKUP.get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
+    if switch < 0:
+        raise UserError(f"--lookup must be 0 (never) or more, got {switch}")
+    if switch and drafter.tree.spine_width != 1:
+        if opts.lookup:
+            raise UserError(f"--lookup drafts a chain, so s3d's tree must be the chain, not {opts.tree}")
+        switch = 0
+    if switch:
+        drafter = WithLookup(drafter, switch, max(switch, LOOKUP_NGRAM))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
-                 + draft_vocab.about(meta))
+                 + (f", lookup where {switch}+ tokens match" if switch else "") + draft_vocab.about(meta))
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -21,7 +21,7 @@ from s3djax.speculative import tree as trees
 from s3djax.speculative import verify as verify_module
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
-from s3djax.speculative.drafters.lookup import LookupDrafter
+from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
@@ -136,6 +136,15 @@ def test_prompt_lookup_samples_the_target_distribution(params):
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=SHAPED),
                                  LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2))
     assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, SHAPED)) > SIGNIFICANCE
+
+
+def test_s3d_giving_way_to_lookup_samples_the_target_distribution(params):
+    # Steps switch between S3D's q and lookup's point masses by the history alone (one matching token suffices).
+    decoder, _ = spec_decoder(SHAPED, "chain", gamma=2)
+    decoder = SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, switch=1, ngram=2))
+    plan = decoder.drafter.inner.plan
+    assert chi_square_p(sampled_joint(params, decoder, init_draft(params, SMALL, plan)),
+                        exact_joint(params, SHAPED)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):

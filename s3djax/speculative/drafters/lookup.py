@@ -25,22 +25,22 @@ from s3djax.speculative.tree import TreeSpec
 
 
 def propose(history, end, ngram: int, depth: int):
-    """(tokens [B, depth], valid [B, depth]): what followed the latest match of history[end-n+1 .. end]
-    that ends before `end`, for the largest n <= ngram with one. Past the known history (slot `end`), or
-    with no match, the tokens are invalid."""
+    """(tokens [B, depth], valid [B, depth], n [B]): what followed the latest match of history[end-n+1 .. end]
+    that ends before `end`, for the largest n <= ngram with one (n = 0: none). Past the known history (slot
+    `end`), or with no match, the tokens are invalid."""
     size = history.shape[1]
     rows, slots = jnp.arange(history.shape[0]), jnp.arange(size)[None]
-    best = jnp.full(end.shape, -1, jnp.int32)
+    best, matched = jnp.full(end.shape, -1, jnp.int32), jnp.zeros(end.shape, jnp.int32)
     same = jnp.ones(history.shape, bool)
     for n in range(1, ngram + 1):
         # same[:, j]: the n tokens ending at slot j equal the n ending at `end` (a roll wraps only where j < n - 1)
         same = same & (jnp.roll(history, n - 1, axis=1) == history[rows, jnp.maximum(end - n + 1, 0)][:, None])
         hit = same & (slots >= n - 1) & (slots < end[:, None])
         latest = jnp.max(jnp.where(hit, slots, -1), axis=1).astype(jnp.int32)
-        best = jnp.where(latest >= 0, latest, best)
+        best, matched = jnp.where(latest >= 0, latest, best), jnp.where(latest >= 0, n, matched)
     at = best[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
     tokens = jnp.take_along_axis(history, jnp.minimum(at, size - 1), axis=1)
-    return tokens, (best[:, None] >= 0) & (at <= end[:, None])
+    return tokens, (best[:, None] >= 0) & (at <= end[:, None]), matched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +54,92 @@ class LookupDrafter(Drafter):
         return self.tree.depth
 
     def init_state(self, params, draft, prompt, lengths, cache):
-        """Every token by slot: the prompt now, then each step's output (`update`); the room past the cache
-        takes the last step's overrun."""
-        history = jnp.zeros((prompt.shape[0], kv.cache_len(cache) + self.tree.depth + 1), jnp.int32)
-        return jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
+        return init_history(prompt, cache, self.tree.depth)
 
     def draft(self, params, draft, cache, length, last, history, key, sampling: Sampling):
         history = history.at[jnp.arange(last.shape[0]), length].set(last)
-        nodes, valid = propose(history, length, self.ngram, self.tree.depth)
-        child_probs = None
-        if not sampling.greedy:  # node d's one child is nodes[:, d], drawn from a point mass
-            child_probs = jax.nn.one_hot(jnp.concatenate([nodes, nodes[:, -1:]], 1), self.config.vocab_size)
-        return nodes, valid, child_probs, cache, history
+        nodes, valid, _ = propose(history, length, self.ngram, self.tree.depth)
+        return nodes, valid, point_masses(nodes, self.config.vocab_size, sampling), cache, history
 
     def update(self, history, length, accepted, path, emitted):
-        # emitted[:, i] sits at slot length + 1 + i; what lies past the accepted tokens is rewritten before it is read.
-        return jax.vmap(lambda h, start, e: jax.lax.dynamic_update_slice(h, e, (start,)))(history, length + 1, emitted)
+        return record(history, length, emitted)
+
+
+def init_history(prompt, cache, depth: int):
+    """Every token by slot: the prompt now, then each step's output (`record`); the room past the cache
+    takes the last step's overrun."""
+    history = jnp.zeros((prompt.shape[0], kv.cache_len(cache) + depth + 1), jnp.int32)
+    return jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
+
+
+def record(history, length, emitted):
+    # emitted[:, i] sits at slot length + 1 + i; what lies past the accepted tokens is rewritten before it is read.
+    return jax.vmap(lambda h, start, e: jax.lax.dynamic_update_slice(h, e, (start,)))(history, length + 1, emitted)
+
+
+def point_masses(nodes, vocab_size: int, sampling: Sampling):
+    """A chain's child_probs for sampled verification: node d's one child, nodes[:, d], drawn from a point mass."""
+    if sampling.greedy:
+        return None
+    return jax.nn.one_hot(jnp.concatenate([nodes, nodes[:, -1:]], 1), vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithLookup(Drafter):
+    """A chain drafter whose draft gives way to prompt lookup's at every step where the last `switch` or more
+    tokens occurred before and lookup knows the whole chain.
+
+    The chain stays the same size, so verification costs what it did; the model's draft is skipped where
+    lookup drafts every row of the batch. Which source drafts depends on the history alone, never on a
+    draw, so sampled verification stays exact.
+    The inner drafter must verify from the nodes alone (the base `score`), as S3D does: Kangaroo's
+    verification reuses states it computed for its own nodes.
+    """
+    inner: Drafter
+    switch: int = 2  # the shortest matching n-gram that switches a step to lookup's draft
+    ngram: int = 3
+
+    def __getattr__(self, name):
+        # config, tree, gamma, plan ...: the inner drafter's (`inner` itself is missing only mid-construction)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def init_state(self, params, draft, prompt, lengths, cache):
+        return (self.inner.init_state(params, draft, prompt, lengths, cache),
+                init_history(prompt, cache, self.tree.depth))
+
+    def tree_arrays(self, state, batch: int):
+        return self.inner.tree_arrays(state[0], batch)
+
+    def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
+        inner, history = state
+        history = history.at[jnp.arange(last.shape[0]), length].set(last)
+        looked, known, n = propose(history, length, self.ngram, self.tree.depth)
+        use = (n >= self.switch) & known.all(1)
+        masses = point_masses(looked, self.config.vocab_size, sampling)
+
+        def drafted(c):
+            _, nodes, valid, child_probs, cache, inner = c
+            nodes, valid, child_probs, cache, inner = self.inner.draft(params, draft, cache, length, last, inner, key,
+                                                                       sampling)
+            if child_probs is not None:
+                child_probs = child_probs.astype(masses.dtype)
+            return jnp.bool_(False), nodes, valid, child_probs, cache, inner
+
+        # The model drafts unless lookup drafts every row: a loop of at most one turn, not a `lax.cond`,
+        # because a conditional copies the K/V cache in and out where a loop carries it in place.
+        _, nodes, valid, child_probs, cache, inner = jax.lax.while_loop(
+            lambda c: c[0], drafted, (~jnp.all(use), looked, known, masses, cache, inner))
+        nodes, valid = jnp.where(use[:, None], looked, nodes), jnp.where(use[:, None], known, valid)
+        if not sampling.greedy:
+            child_probs = jnp.where(use[:, None, None], masses, child_probs)
+        return nodes, valid, child_probs, cache, (inner, history)
+
+    def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
+        *out, inner = self.inner.verify(params, draft, cache, length, last, nodes, valid, child_probs, state[0], key,
+                                        sampling)
+        return (*out, (inner, state[1]))
+
+    def update(self, state, length, accepted, path, emitted):
+        return self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted)
