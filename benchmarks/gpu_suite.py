@@ -30,7 +30,7 @@ from s3djax.cli import Parser, output_folder, run
 from s3djax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = "ar,s3d,self-spec,kangaroo,s2d"
+METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup"
 VARIANTS = {"bf16-xla": [], "bf16-pallas": ["--attention", "pallas"],
             "int8-xla": ["--quant", "int8"], "int8-pallas": ["--quant", "int8", "--matmul", "pallas", "--attention", "pallas"]}
 # The kernel tests and lowering checks --tiny runs: one of each kind, to prove the piece, not the kernels.

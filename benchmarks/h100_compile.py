@@ -40,15 +40,16 @@ PEAK_FLOPS = 989e12
 
 KERNEL_MODELS = ("smollm2-135m", "phi-3-mini-4k", "llama-2-7b")  # head dims 64, 96 and 128
 STEP_MODELS = ("smollm2-135m", "llama-2-7b")
-METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d")
 # benchmarks.gpu_suite's variants: (weights, attention, int8 matmul).
 VARIANTS = {"bf16-xla": (None, "xla", "xla"), "bf16-pallas": (None, "pallas", "xla"),
             "int8-xla": ("int8", "xla", "xla"), "int8-pallas": ("int8", "pallas", "pallas")}
 # Each drafter at the settings of the CPU run whose acceptance the projection uses
 # (benchmarks/results/family-kernel-mt-bench-80-cpu-2026-11-24): S3D gamma 2, the others drafting one token,
-# Kangaroo over its top4 tree. The GPU suite's S3D default (the paper's gamma 4) is compiled beside it.
+# Kangaroo over its top4 tree; lookup at its default max draft, and S3D with the CPU's lookup switch. The GPU
+# suite's S3D default (the paper's gamma 4, no lookup) is compiled beside them.
 METHOD_OPTIONS = {"ar": {}, "s3d": {"gamma": 2}, "s3d-g4": {"gamma": 4}, "self-spec": {"max_draft": 1},
-                  "kangaroo": {"max_draft": 1, "tree": "top4"}, "s2d": {"max_draft": 1}}
+                  "kangaroo": {"max_draft": 1, "tree": "top4"}, "s2d": {"max_draft": 1},
+                  "lookup": {"max_draft": 2}, "s3d-lookup": {"gamma": 2, "lookup": 1}}
 STEPS = {"ar": ("prefill", "loop", "ar-step"), "s3d-g4": ("loop",)}
 STEPS.update({m: ("draft", "verify", "loop") for m in METHOD_OPTIONS if m not in STEPS})
 MAX_CACHE_LEN = 2048  # the GPU suite's
@@ -141,8 +142,9 @@ def abstract_build(name: str, method: str, quantization: str | None, tree: str |
         if quantization:
             params = quant.apply(params, quantization, jnp.bfloat16, matmul)
         built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=MAX_CACHE_LEN,
-                              dtype="bfloat16", draft_path="none", **{"gamma": methods.PAPER_GAMMA, "tree": tree,
-                                                                      **options})
+                              dtype="bfloat16", draft_path="none",
+                              # a GPU's defaults, which the CPU backend compiling here does not pick
+                              **{"gamma": methods.PAPER_GAMMA, "tree": tree, "lookup": 0, **options})
         decoders.append(built.decoder)
         return built.params
 
@@ -462,8 +464,9 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
              f"{seconds / 60:.1f} min together, on a {os.cpu_count()}-core CPU", f"- regenerate: `.venv-cuda/bin/python -m benchmarks.h100_compile --out THIS_FILE`",
              f"- steps: bf16 weights (int8: per-channel int8), bf16 cache of {MAX_CACHE_LEN} slots (+ the method's slack), "
              f"a {PROMPT}-token prefill bucket, untrained drafts; methods at their measured CPU settings "
-             "(s3d gamma 2, self-spec/kangaroo/s2d one draft token, kangaroo's top4 tree); s3d-g4 is the GPU suite's "
-             "S3D default (gamma 4), s3d-tree64 S3D's verify over configs/trees/tree-64.yaml",
+             "(s3d gamma 2, self-spec/kangaroo/s2d one draft token, kangaroo's top4 tree, lookup max draft 2); s3d-g4 is "
+             "the GPU suite's S3D default (gamma 4), s3d-tree64 S3D's verify over configs/trees/tree-64.yaml, s3d-lookup "
+             "S3D giving way to prompt lookup (`--lookup 1`, the CPU default)",
              "- int8-xla steps compile with `xla_gpu_dot_merger_threshold_mb=0`, as the Runner compiles them "
              "(`s3djax.quant.compiler_options`): XLA's dot merging would convert each int8 weight of a merged product "
              "into a bf16 buffer, which a loop body's draft and verification then share, live from one to the other", ""]
@@ -521,7 +524,7 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
             continue
         ar_tps = 1e3 / max(roofline_ms(ar))
         lines.append(f"| {model} | {variant} | ar | 1.00 | - | {max(roofline_ms(ar)):.3f} | {ar_tps:.0f} | 1.00x |")
-        for method in ("s3d", "self-spec", "kangaroo", "s2d"):
+        for method in ("s3d", "self-spec", "kangaroo", "s2d", "lookup"):
             d, v = steps.get((model, variant, method, "draft")), steps.get((model, variant, method, "verify"))
             if not (d and v and method in taus):
                 continue
