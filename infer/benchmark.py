@@ -51,14 +51,20 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
     args.dataset = [d for d in args.dataset.split(",") if d]
-    limits, ok = {}, True
-    for item in args.limit.split(",") if args.limit is not None else ():
-        name, eq, n = item.rpartition("=")
-        ok &= n.isdigit() and int(n) >= 1 and (not eq or name in args.dataset)
-        limits.update(dict.fromkeys([name] if eq else args.dataset, int(n) if n.isdigit() else 0))
-    p.check(args, limit=ok, max_new_tokens=args.max_new_tokens >= 2)
+    limits = parse_limits(args.limit, args.dataset)
+    p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2)
     args.limit = limits
     return args
+
+
+def parse_limits(text: str | None, datasets: list[str]) -> dict | None:
+    """`--limit`: prompts per dataset, "N" for every set or "SET=N,..." (None: all); None if invalid."""
+    limits, ok = {}, True
+    for item in text.split(",") if text is not None else ():
+        name, eq, n = item.rpartition("=")
+        ok &= n.isdigit() and int(n) >= 1 and (not eq or name in datasets)
+        limits.update(dict.fromkeys([name] if eq else datasets, int(n) if n.isdigit() else 0))
+    return limits if ok else None
 
 
 # ------------------------------------------------------------------------------------------ metrics
