@@ -84,6 +84,28 @@ def test_a_run_cut_short_exports_where_it_stopped_and_resumes_on_its_schedule(da
     assert losses(whole) == losses(ref) and len(losses(ref)) == 6
 
 
+@pytest.mark.parametrize("lr", [3e-2, 1e-12])
+def test_patience_stops_when_held_out_agreement_stops_improving_and_exports_the_best(data, tmp_path, lr):
+    from s3djax.speculative.draft_params import load_draft
+    from tiny import TINY
+    from train.loop import acceptance, plateaued
+
+    cfg = tiny_config(data, str(tmp_path), lora_rank=16, lr=lr, steps=60, eval_every=1, eval_batches=1, patience=3)
+    result = train(cfg, loaded=tiny_model(seed=4), progress=False)
+    evals = [r for r in result["records"] if r["split"] == "eval"]
+    assert evals[-1]["step"] < 60 and plateaued(evals, 3)
+    assert not any(plateaued(evals[:i], 3) for i in range(len(evals)))  # it stopped at the first plateau
+    best = max(evals, key=acceptance)
+    assert evals[-1]["step"] == best["step"] + 3
+    if lr < 1e-6:  # nothing learned: the untrained draft stays the best
+        assert best["step"] == 0
+    meta = load_draft(result["path"], TINY, np.float32)[1]
+    assert meta["steps"] == best["step"] and meta["held_out_depth_acc"] == best["depth_acc"]
+    again = train(cfg, loaded=tiny_model(seed=4), progress=False)  # a finished run trains no further
+    assert again["records"] == result["records"]
+    assert load_draft(result["path"], TINY, np.float32)[1]["steps"] == best["step"]
+
+
 def test_the_train_step_compiles_once(data, tmp_path, compiles):
     seen, before = {}, compiles()
     train(tiny_config(data, str(tmp_path), steps=9, eval_every=100, save_every=100), loaded=tiny_model(),

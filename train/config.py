@@ -34,6 +34,7 @@ class TrainConfig:
     grad_accum: int = 1
     steps: int = 1000                # optimizer steps (the schedule's length)
     stop_at: int = 0                 # stop and export at this step instead (0: at `steps`); the schedule is kept
+    patience: int = 0                # stop once this many held-out evaluations in a row have not beaten the best (0: off)
     lr: float = 3e-5
     warmup_steps: int = 50
     schedule: str = "cosine"
@@ -58,8 +59,8 @@ class TrainConfig:
                   (self.gamma >= 1, "gamma must be at least 1"),
                   (0 < self.anchor_fraction <= 1, "anchor_fraction must be in (0, 1]"),
                   (min(self.batch_size, self.grad_accum, self.steps, self.log_every, self.eval_every,
-                       self.save_every, self.keep) >= 1,
-                   "batch_size, grad_accum, steps and the intervals must be at least 1"),
+                       self.save_every, self.keep) >= 1 and self.patience >= 0,
+                   "batch_size, grad_accum, steps and the intervals must be at least 1, patience at least 0"),
                   (self.lr > 0 and self.lora_rank >= 0 and self.warmup_steps >= 0, "lr, lora_rank and warmup_steps must not be negative")]
         for ok, message in checks:
             if not ok:
@@ -103,4 +104,4 @@ class TrainConfig:
 
 
 # Settings a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data", "stop_at"}
+RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data", "stop_at", "patience"}

@@ -84,6 +84,18 @@ def summarize(sums: dict) -> dict:
     return out
 
 
+def acceptance(record: dict) -> float:
+    """A held-out record's agreement summed over heads: the yardstick `patience` stops on."""
+    return float(sum(record["depth_acc"]))
+
+
+def plateaued(evals: list[dict], patience: int) -> bool:
+    """True once the last `patience` evaluations have all failed to beat the best one before them."""
+    if not patience or len(evals) <= patience:
+        return False
+    return max(map(acceptance, evals[-patience:])) <= max(map(acceptance, evals[:-patience]))
+
+
 class Metrics:
     """metrics.jsonl; on resume, records past the restored step are dropped so the log stays one run.
     Only the first process of a multi-host job writes files."""
@@ -198,16 +210,35 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
         metrics.write(record)
         return record
 
+    def export(step, record):
+        """Write the artifact from the current state; every process must call it (multi-host gather)."""
+        meta = {"model": m.name, "steps": step, "trained_on": describe(), "held_out_depth_acc": record["depth_acc"],
+                "config": cfg.to_dict()}
+        # Multi-host FSDP arrays are not all addressable here: gather them.
+        trained = (multihost_utils.process_allgather(state["trainable"]) if jax.process_count() > 1
+                   else jax.device_get(state["trainable"]))
+        return trained, (task.export(out, trained, meta) if metrics.writer else None)
+
+    def evals():
+        return [r for r in metrics.records if r["split"] == "eval"]
+
     last = min(cfg.steps, cfg.stop_at or cfg.steps)  # a run cut short keeps the schedule of `steps`
     bar = progress_bar.bar(total=last, initial=min(start, last), desc="training", unit="step", show=progress)
     say = (lambda line: bar.write(line, file=sys.stderr)) if progress is not False else (lambda line: None)
     if start:
         say(f"resumed from step {start} in {out}")
+    # With patience the artifact is the best held-out evaluation's state, exported when it is evaluated.
+    best = None
     if start == 0:  # the untrained draft's figures start the held-out curve
-        say(f"step 0: held-out accuracy by depth {evaluate(0)['depth_acc']}")
+        e = evaluate(0)
+        say(f"step 0: held-out accuracy by depth {e['depth_acc']}")
+        best = export(0, e) if cfg.patience else None
     window, tokens, tic = None, 0, time.perf_counter()
+    stop = plateaued(evals(), cfg.patience)
     try:
         for step in range(start + 1, last + 1):
+            if stop:
+                break
             for _ in range(cfg.grad_accum):
                 micro = int(state["micro_step"])
                 rows = data.batch(cfg.seed, micro, cfg.batch_size)
@@ -231,7 +262,13 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
             if step % cfg.eval_every == 0 or step == last:
                 e = evaluate(step)
                 say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
-            if step % cfg.save_every == 0 or step == last:
+                if cfg.patience and acceptance(e) > max(map(acceptance, evals()[:-1]), default=-1.0):
+                    best = export(step, e)
+                stop = plateaued(evals(), cfg.patience)
+                if stop:
+                    say(f"step {step}: stopping, {cfg.patience} held-out evaluations have not beaten step "
+                        f"{max(evals(), key=acceptance)['step']}, whose state is the artifact")
+            if step % cfg.save_every == 0 or step == last or stop:
                 mngr.save(step, args=ocp.args.StandardSave(state))
             bar.update()
             if on_step:
@@ -239,19 +276,17 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     finally:  # Ctrl-C or an error still lets the checkpoint under way finish
         bar.close()
         mngr.wait_until_finished()
-    # Exported on every finishing run, so rerunning a finished command re-exports its draft.
-    evals = [r for r in metrics.records if r["split"] == "eval"]
+    # Exported on every finishing run, so rerunning a finished command re-exports its draft; with patience, the
+    # best state was exported when it was evaluated, unless that happened before a resume.
     done = min(int(state["micro_step"]) // cfg.grad_accum, last)
-    final = evals[-1] if evals and evals[-1]["step"] == done else evaluate(done)
-    meta = {"model": m.name, "steps": done, "trained_on": describe(), "held_out_depth_acc": final["depth_acc"],
-            "config": cfg.to_dict()}
+    final = evals()[-1] if evals() and evals()[-1]["step"] == done else evaluate(done)
     mngr.close()
-    # Multi-host FSDP arrays are not all addressable here: gather them (every process must take part).
-    trained = (multihost_utils.process_allgather(state["trainable"]) if jax.process_count() > 1
-               else jax.device_get(state["trainable"]))
-    path = None
+    if best is None and cfg.patience and final is not max(evals(), key=acceptance):
+        say(f"the best held-out state (step {max(evals(), key=acceptance)['step']}) was exported before this resume; "
+            f"{out}/draft.npz is left as it is")
+        best = (None, os.path.join(out, "draft.npz"))
+    trained, path = best if best is not None and cfg.patience else export(done, final)
     if metrics.writer:
-        path = task.export(out, trained, meta)
         if not plot(metrics.records, os.path.join(out, "loss.png")):
             say("no loss.png: matplotlib is not installed (pip install matplotlib)")
     return {"records": metrics.records, "trainable": trained, "path": path}
@@ -270,8 +305,9 @@ def parser(module: str, doc: str):
 def train_from_args(args, run_training, method: str) -> None:
     """Load the config and overrides, run `run_training(cfg)` and say where the artifact went."""
     cfg = TrainConfig.load(args.config, args.overrides)
-    out = run_training(cfg)["path"]
-    print(f"trained {min(cfg.steps, cfg.stop_at or cfg.steps)} steps; artifact -> {out} "
+    result = run_training(cfg)
+    out, steps = result["path"], max(r["step"] for r in result["records"])
+    print(f"trained {steps} steps; artifact -> {out} "
           f"(python -m infer.generate --method {method} --draft {out})")
 
 
