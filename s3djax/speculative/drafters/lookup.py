@@ -57,12 +57,17 @@ class LookupDrafter(Drafter):
         return init_history(prompt, cache, self.tree.depth)
 
     def draft(self, params, draft, cache, length, last, history, key, sampling: Sampling):
-        history = history.at[jnp.arange(last.shape[0]), length].set(last)
-        nodes, valid, _ = propose(history, length, self.ngram, self.tree.depth)
+        history, nodes, valid, _ = look_up(history, length, last, self.ngram, self.tree.depth)
         return nodes, valid, point_masses(nodes, self.config.vocab_size, sampling), cache, history
 
     def update(self, history, length, accepted, path, emitted):
         return record(history, length, emitted)
+
+
+def look_up(history, length, last, ngram: int, depth: int):
+    """(history with `last` at slot `length`, then `propose`'s tokens, valid, n) from there."""
+    history = history.at[jnp.arange(last.shape[0]), length].set(last)
+    return history, *propose(history, length, ngram, depth)
 
 
 def init_history(prompt, cache, depth: int):
@@ -114,8 +119,7 @@ class WithLookup(Drafter):
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         inner, history = state
-        history = history.at[jnp.arange(last.shape[0]), length].set(last)
-        looked, known, n = propose(history, length, self.ngram, self.tree.depth)
+        history, looked, known, n = look_up(history, length, last, self.ngram, self.tree.depth)
         use = (n >= self.switch) & known.all(1)
         masses = point_masses(looked, self.config.vocab_size, sampling)
 
