@@ -31,7 +31,7 @@ def python(script: str, env=None):
 
 
 def without_timing(records):
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "cpu_hours")} for r in records]
 
 
 @pytest.mark.parametrize("mode", ["lossless", "full"])
@@ -114,6 +114,8 @@ def test_the_train_step_compiles_once(data, tmp_path, compiles):
 
 
 def test_sigkill_then_the_same_command_resumes_identically(data, tmp_path):
+    from s3djax.speculative.draft_params import load_artifact
+
     reference = train(tiny_config(data, str(tmp_path / "ref")), loaded=tiny_model(), progress=False)
     run = str(tmp_path / "run")
     killed = python(f"""
@@ -130,6 +132,10 @@ train(tiny_config({data!r}, {run!r}), loaded=tiny_model(), progress=False, on_st
         assert max(json.loads(line)["step"] for line in f) == 5  # step 5 ran, but its checkpoint never came
     resumed = train(tiny_config(data, run), loaded=tiny_model(), progress=False)
     assert without_timing(resumed["records"]) == without_timing(reference["records"])
+    # CPU time adds up over the killed process and the resumed one, into the artifact's label
+    cpu = [r["cpu_hours"] for r in resumed["records"] if r["split"] == "train"]
+    assert cpu == sorted(cpu) and cpu[-1] > cpu[4] > 0
+    assert load_artifact(resumed["path"], np.float32)[1]["cpu_hours"] >= cpu[-1]
     jax.tree.map(np.testing.assert_array_equal, resumed["trainable"], reference["trainable"])
 
 

@@ -168,6 +168,7 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     from s3djax.device import describe
     from s3djax.loading import open_model
 
+    cpu_start = time.process_time()
     sharding.maybe_initialize_distributed()
     out = os.path.abspath(cfg.out)
     check_resumable(cfg, out)
@@ -199,6 +200,11 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         state = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
     metrics = Metrics(os.path.join(out, "metrics.jsonl"), start)
+    # CPU-hours of every process that trained the kept steps (to within a logging interval), this host's
+    cpu_before = max((r.get("cpu_hours", 0.0) for r in metrics.records if r["split"] == "train"), default=0.0)
+
+    def cpu_hours():
+        return round(cpu_before + (time.process_time() - cpu_start) / 3600, 4)
 
     def evaluate(step):
         total = None
@@ -212,8 +218,8 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
 
     def export(step, record):
         """Write the artifact from the current state; every process must call it (multi-host gather)."""
-        meta = {"model": m.name, "steps": step, "trained_on": describe(), "held_out_depth_acc": record["depth_acc"],
-                "config": cfg.to_dict()}
+        meta = {"model": m.name, "steps": step, "trained_on": describe(), "cpu_hours": cpu_hours(),
+                "held_out_depth_acc": record["depth_acc"], "config": cfg.to_dict()}
         # Multi-host FSDP arrays are not all addressable here: gather them.
         trained = (multihost_utils.process_allgather(state["trainable"]) if jax.process_count() > 1
                    else jax.device_get(state["trainable"]))
@@ -254,6 +260,7 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
                 s = summarize(jax.device_get(window))
                 rate = tokens / (time.perf_counter() - tic)
                 metrics.write({"step": step, "split": "train", "lr": float(lr(step)), "tokens_per_s": round(rate, 1),
+                               "cpu_hours": cpu_hours(),
                                "epoch": round(data.epoch(micro + 1, cfg.batch_size), 4), **s})
                 bar.set_postfix(loss=f"{s['loss']:.3f}", acc1=s["depth_acc"][0], tok_s=f"{rate:.0f}")
                 if bar.disable:  # no bar to carry them: a log gets the metrics as a line
