@@ -207,7 +207,9 @@ def measure_sets(gen, prompt_sets: dict[str, list[dict]], *, method: str = "s3d"
     ahead of time.
     """
     spec = skip.spec() if isinstance(skip, SkipPlan) else (skip or "")
-    session = gen.session(method, gamma=gamma, tree=tree, skip=spec, draft_path=draft_path)
+    # The decay probed is the mask tokens': prompt lookup (the CPU's default) would draft some of the steps.
+    lookup = {"lookup": 0} if method == "s3d" else {}
+    session = gen.session(method, gamma=gamma, tree=tree, skip=spec, draft_path=draft_path, **lookup)
     built, runner = session.built, session.runner
     step_ms = None
     if step_times and method != "ar":
