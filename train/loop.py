@@ -228,6 +228,9 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     def evals():
         return [r for r in metrics.records if r["split"] == "eval"]
 
+    def best_eval():  # the first of the best, so a later tie does not displace it
+        return max(evals(), key=acceptance)
+
     last = min(cfg.steps, cfg.stop_at or cfg.steps)  # a run cut short keeps the schedule of `steps`
     bar = progress_bar.bar(total=last, initial=min(start, last), desc="training", unit="step", show=progress)
     say = (lambda line: bar.write(line, file=sys.stderr)) if progress is not False else (lambda line: None)
@@ -269,12 +272,12 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
             if step % cfg.eval_every == 0 or step == last:
                 e = evaluate(step)
                 say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
-                if cfg.patience and acceptance(e) > max(map(acceptance, evals()[:-1]), default=-1.0):
+                if cfg.patience and e is best_eval():
                     best = export(step, e)
                 stop = plateaued(evals(), cfg.patience)
                 if stop:
                     say(f"step {step}: stopping, {cfg.patience} held-out evaluations have not beaten step "
-                        f"{max(evals(), key=acceptance)['step']}, whose state is the artifact")
+                        f"{best_eval()['step']}, whose state is the artifact")
             if step % cfg.save_every == 0 or step == last or stop:
                 mngr.save(step, args=ocp.args.StandardSave(state))
             bar.update()
@@ -288,11 +291,11 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
     done = min(int(state["micro_step"]) // cfg.grad_accum, last)
     final = evals()[-1] if evals() and evals()[-1]["step"] == done else evaluate(done)
     mngr.close()
-    if best is None and cfg.patience and final is not max(evals(), key=acceptance):
-        say(f"the best held-out state (step {max(evals(), key=acceptance)['step']}) was exported before this resume; "
+    if best is None and cfg.patience and final is not best_eval():
+        say(f"the best held-out state (step {best_eval()['step']}) was exported before this resume; "
             f"{out}/draft.npz is left as it is")
         best = (None, os.path.join(out, "draft.npz"))
-    trained, path = best if best is not None and cfg.patience else export(done, final)
+    trained, path = best if best is not None else export(done, final)
     if metrics.writer:
         if not plot(metrics.records, os.path.join(out, "loss.png")):
             say("no loss.png: matplotlib is not installed (pip install matplotlib)")
