@@ -166,6 +166,8 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
+    if "correction" in draft and drafter.tree.dynamic:
+        raise UserError(f"{path} has a previous-token correction, which drafts static trees only, not {opts.tree}")
     switch = S3D_LOOKUP.get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
     if switch < 0:
         raise UserError(f"--lookup must be 0 (never) or more, got {switch}")
@@ -177,7 +179,8 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         drafter = WithLookup(drafter, switch, max(switch, LOOKUP_NGRAM))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
-                 + (f", lookup where {switch}+ tokens match" if switch else "") + draft_vocab.about(meta))
+                 + (f", lookup where {switch}+ tokens match" if switch else "") + draft_vocab.about(meta)
+                 + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

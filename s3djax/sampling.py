@@ -28,11 +28,18 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def top_k(x, k: int):
+    """`jax.lax.top_k`, kept apart from what reads it: XLA:CPU turns a top-k whose outputs feed other ops in
+    the same fusion scope into a full stable sort (17 ms against 0.1 ms for 32 of [4, 8192] on a 2-core
+    Zen 3), and the barrier keeps its fast path."""
+    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+
+
 def process_logits(logits, s: Sampling):
     """Temperature-scaled logits with the top-k / top-p tails set to -inf (the target distribution)."""
     logits = logits.astype(jnp.float32) / s.temperature
-    if s.top_k:
-        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
+    if s.top_k and s.top_k < logits.shape[-1]:  # a top-k as wide as the logits cuts nothing
+        kth = top_k(logits, s.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if s.top_p < 1.0:
         order = jnp.sort(logits, axis=-1)[..., ::-1]

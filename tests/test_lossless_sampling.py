@@ -115,6 +115,21 @@ def test_a_draft_vocabulary_samples_the_target_distribution(params):
     assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, T1)) > SIGNIFICANCE
 
 
+@pytest.mark.parametrize("sampling, tree, candidates", [(T1, "tree-16", 32), (SHAPED, "tree-8", 5)],
+                         ids=["t1-tree16", "shaped-tree8-5-candidates"])
+def test_a_previous_token_correction_samples_the_target_distribution(params, monkeypatch, sampling, tree, candidates):
+    # Each node's children come from its own corrected q; with 5 candidates, q is 0 on 7 of 12 tokens.
+    from s3djax.speculative.correction import init_correction
+    from s3djax.speculative.drafters import s3d
+
+    monkeypatch.setattr(s3d, "CANDIDATES", candidates)
+    decoder, plan = spec_decoder(sampling, tree)
+    c = init_correction(SMALL.hidden_size, 4, jax.random.key(3))
+    correction = {**c, "token": 10 * c["token"], "out": jax.random.normal(jax.random.key(4), c["out"].shape)}
+    draft = {**init_draft(params, SMALL, plan), "correction": correction}
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, sampling)) > SIGNIFICANCE
+
+
 def test_autoregressive_drafting_samples_the_target_distribution(params):
     # Self-Spec's chain drafter with variable draft lengths (a low adaptive threshold) and a top-2 spine.
     plan = SkipPlan.parse("1-2", SMALL.num_layers)

@@ -50,6 +50,34 @@ def test_training_blocks_equal_the_inference_draft_step(config):
         np.testing.assert_allclose(got[0, a], want[0], atol=2e-5)
 
 
+def test_a_corrected_chain_drafts_the_training_objectives_argmax(monkeypatch):
+    # Teacher forcing with the chain's own tokens as data, training's corrected logits pick that chain.
+    # Inference rescores only the uncorrected top candidates; here they are the whole vocabulary.
+    from s3djax.sampling import Sampling
+    from s3djax.speculative.correction import init_correction
+    from s3djax.speculative.drafters import s3d
+
+    monkeypatch.setattr(s3d, "CANDIDATES", LLAMA.vocab_size)
+
+    params, draft, tokens = setup(LLAMA)
+    c = init_correction(LLAMA.hidden_size, 4, jax.random.key(7))
+    draft = {**draft, "correction": {**c, "out": jax.random.normal(jax.random.key(8), c["out"].shape)}}
+    drafter = S3DDrafter(LLAMA, PLAN, trees.resolve("chain", GAMMA), GAMMA)
+    changed = 0
+    for a, i in enumerate(np.asarray(ANCHORS[0])):
+        cache = kv.init_cache(LLAMA, 1, 64)
+        zero = jnp.zeros((1,), jnp.int32)
+        _, cache = model.Decoder(LLAMA).apply({"params": params}, tokens[:, :i], jnp.arange(i)[None], cache, zero,
+                                              kv.causal_mask(zero, i, 64))
+        chain = drafter.draft(params, draft, cache, jnp.array([i]), tokens[:, i], (), None, Sampling())[0][0]
+        forced = tokens.at[0, i + 1:i + GAMMA].set(chain[:GAMMA - 1])
+        got = jnp.argmax(training_blocks(params, draft, forced, LLAMA)[0, a], axis=-1)
+        np.testing.assert_array_equal(got, chain)
+        plain = {k: v for k, v in draft.items() if k != "correction"}
+        changed += int((jnp.argmax(training_blocks(params, plain, forced, LLAMA)[0, a], -1) != got).any())
+    assert changed  # the correction moved some choice
+
+
 def test_a_block_sees_nothing_at_or_after_its_anchor():
     params, draft, tokens = setup(LLAMA)
     _, context = model.forward_sequence(params, tokens, config=LLAMA)

@@ -5,6 +5,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,9 @@ from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import tree as trees
+from s3djax.cache import init_cache
+from s3djax.sampling import Sampling
+from s3djax.speculative.correction import init_correction
 from s3djax.speculative.draft_params import init_draft, load_draft, save_draft
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.drafters.s3d import S3DDrafter
@@ -50,6 +54,46 @@ def test_lossless_with_a_draft_vocabulary():
         spec = spec_runner(LLAMA, params, draft, plan, trees.resolve(tree_name, 4), 4)
         for prompt in ([5], list(range(40, 55))):
             assert spec.generate(prompt, 40).tokens == ar.generate(prompt, 40).tokens
+
+
+def corrected(draft, config, seed, rank=4):
+    """The draft with a random, non-zero previous-token correction."""
+    c = init_correction(config.hidden_size, rank, jax.random.key(seed))
+    out = jax.random.normal(jax.random.key(seed + 1), c["out"].shape)
+    return {**draft, "correction": {**c, "token": 10 * c["token"], "out": out}}  # the token's term matters
+
+
+@pytest.mark.parametrize("vocab", [False, True], ids=["full-vocab", "draft-vocab"])
+def test_lossless_with_a_previous_token_correction(vocab):
+    params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
+    draft = corrected(perturbed_draft(params, LLAMA, plan, 5), LLAMA, 9)
+    if vocab:  # 49 of 97 tokens: still more than the correction's 32 candidates
+        ids = jnp.arange(0, LLAMA.vocab_size, 2, dtype=jnp.int32)
+        draft = {**draft, "vocab": ids, "head": params["lm_head"][ids]}
+    ar = ar_runner(LLAMA, params)
+    for tree_name, gamma in (("chain", 4), ("tree-8", 4), ("tree-16", 4), ("chain", 1)):
+        spec = spec_runner(LLAMA, params, draft, plan, trees.resolve(tree_name, gamma), gamma)
+        for prompt in ([5], list(range(40, 55))):
+            assert spec.generate(prompt, 40).tokens == ar.generate(prompt, 40).tokens, (tree_name, prompt)
+
+
+def test_a_corrected_node_drafts_given_its_own_token():
+    # Chain and tree agree on rank-0 paths; a sibling's children differ from the spine's because the
+    # correction sees a different parent token (the uncorrected draft gives every node at a depth the same).
+    params, plan = random_params(LLAMA, 1), SkipPlan.parse("1", LLAMA.num_layers)
+    draft = corrected(perturbed_draft(params, LLAMA, plan, 2), LLAMA, 4)
+    tree = trees.TreeSpec.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
+    drafter = S3DDrafter(LLAMA, plan, tree, 3)
+    cache = init_cache(LLAMA, 2, 32)
+    length, last = jnp.array([0, 0]), jnp.array([5, 17])
+    nodes = drafter.draft(params, draft, cache, length, last, (), None, Sampling())[0]
+    chain = S3DDrafter(LLAMA, plan, trees.resolve("chain", 3), 3).draft(params, draft, cache, length, last, (), None,
+                                                                        Sampling())[0]
+    np.testing.assert_array_equal(nodes[:, [0, 2, 4]], chain)
+    assert (nodes[:, 2] != nodes[:, 3]).any()
+    plain = drafter.draft(params, {k: v for k, v in draft.items() if k != "correction"}, cache, length, last, (), None,
+                          Sampling())[0]
+    np.testing.assert_array_equal(plain[:, 2], plain[:, 3])
 
 
 @pytest.mark.parametrize("cache", [300, 1000])
@@ -237,6 +281,18 @@ def test_a_draft_file_brings_its_plan_and_silences_the_warning(smollm2, tmp_path
     assert (built.params[1]["mask_embed"] == draft["mask_embed"]).all()
     overridden = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "d.npz"), skip="8-21")
     assert overridden.decoder.drafter.plan == methods.default_draft_plan(30)
+
+
+def test_a_corrected_draft_file_drafts_static_trees_only(smollm2, tmp_path):
+    from s3djax import methods
+    from s3djax.errors import UserError
+
+    draft = corrected(init_draft(smollm2.params, smollm2.config, methods.default_draft_plan(30)), smollm2.config, 1)
+    save_draft(str(tmp_path / "c.npz"), draft, {"correction_rank": 4})
+    built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="tree-8")
+    assert "previous-token correction rank 4" in built.draft
+    with pytest.raises(UserError, match="static trees only"):
+        methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="dynamic-8")
 
 
 @pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])

@@ -67,8 +67,28 @@ def test_a_warm_start_begins_from_the_given_draft(data, tmp_path):
     start = S3DTask.create(m, cfg, 64).init_trainable(m, cfg, jax.random.key(1))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(first)))
     other = tiny_config(data, str(tmp_path / "third"), lora_rank=2, init_from=cfg.init_from)
-    with pytest.raises(UserError, match="not a lossless draft of this plan and LoRA rank"):
+    with pytest.raises(UserError, match="not a lossless draft of this plan, LoRA rank and correction rank"):
         S3DTask.create(m, other, 64).init_trainable(m, other, jax.random.key(1))
+
+
+def test_a_correction_trained_on_a_frozen_draft_leaves_the_draft_and_learns(data, tmp_path):
+    from s3djax.speculative.draft_params import load_draft
+    from tiny import TINY
+
+    m = tiny_model(seed=4)
+    train(tiny_config(data, str(tmp_path / "first"), steps=3), loaded=m, progress=False)
+    first, _ = load_draft(str(tmp_path / "first" / "draft.npz"), TINY, np.float32)
+    cfg = tiny_config(data, str(tmp_path / "second"), init_from=str(tmp_path / "first" / "draft.npz"),
+                      correction_rank=8, freeze_draft=True, steps=12, lr=3e-2, eval_every=12, eval_batches=1)
+    result = train(cfg, loaded=m, progress=False)
+    second, meta = load_draft(result["path"], TINY, np.float32)
+    assert meta["correction_rank"] == 8 and second["correction"]["out"].shape == (8, TINY.hidden_size)
+    # The file lacked a correction, so it started fresh (a no-op) and only it trained.
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves({k: second[k] for k in first}),
+                                                    jax.tree.leaves(first)))
+    assert np.abs(second["correction"]["out"]).max() > 0
+    evals = [r for r in result["records"] if r["split"] == "eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"], evals
 
 
 def test_a_run_cut_short_exports_where_it_stopped_and_resumes_on_its_schedule(data, tmp_path):

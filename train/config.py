@@ -28,6 +28,8 @@ class TrainConfig:
     lm_weight: float = 1.0           # full mode: weight of the next-token term that keeps the target good
     anchor_fraction: float = 0.15
     init_from: str | None = None     # a draft file of the same shape to start from (warm start)
+    correction_rank: int = 0         # s3d: the previous-token correction's rank (0: none)
+    freeze_draft: bool = False       # s3d: train the correction only; init_from's mask token and adapters stay
     exit_layer: int = 0              # kangaroo: the early-exit layer (0: the method's default)
     exits: str = "4,6,8"             # s2d: the nested draft's exits, in layers (the last is its depth)
     batch_size: int = 8
@@ -61,7 +63,10 @@ class TrainConfig:
                   (min(self.batch_size, self.grad_accum, self.steps, self.log_every, self.eval_every,
                        self.save_every, self.keep) >= 1 and self.patience >= 0,
                    "batch_size, grad_accum, steps and the intervals must be at least 1, patience at least 0"),
-                  (self.lr > 0 and self.lora_rank >= 0 and self.warmup_steps >= 0, "lr, lora_rank and warmup_steps must not be negative")]
+                  (self.lr > 0 and min(self.lora_rank, self.correction_rank, self.warmup_steps) >= 0,
+                   "lr, lora_rank, correction_rank and warmup_steps must not be negative"),
+                  (not self.freeze_draft or (self.correction_rank and self.init_from and self.mode == "lossless"),
+                   "freeze_draft trains a correction (correction_rank) on a lossless draft given by init_from")]
         for ok, message in checks:
             if not ok:
                 raise UserError(f"invalid training config: {message}")

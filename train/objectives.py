@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder, forward_sequence
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative.correction import delta
 
 TARGETS = ("data", "greedy", "kl")
 
@@ -56,6 +57,11 @@ def block_logits(params, draft, context_cache, tokens, anchors, *, config: Model
     cache = [{"k": jnp.pad(c["k"], pad), "v": jnp.pad(c["v"], pad)} for c in context_cache]
     hidden, _ = decoder.apply(variables, None, positions, cache, jnp.full((b,), t, jnp.int32),
                               block_mask(anchors, t, gamma), embeds=embeds, lora=draft.get("lora"))
+    if "correction" in draft:  # teacher-forced: mask position j's previous token is the data's t_{i+j}
+        previous = jnp.take_along_axis(tokens, jnp.minimum(positions, t - 1), axis=1)
+        masks = (jnp.arange(a * gamma) % gamma > 0)[None, :, None]
+        hidden = hidden + masks * delta(draft["correction"], hidden,
+                                        decoder.apply(variables, previous, method="embed_tokens"))
     return decoder.apply(variables, hidden, method="logits").reshape(b, a, gamma, -1)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 
 from s3djax.cli import run
 from s3djax.config import ModelConfig
 from s3djax.skip_plan import SkipPlan
+from s3djax.speculative.correction import init_correction
 from train.config import TrainConfig
 from train import loop
 from train.objectives import s3d_loss
@@ -43,13 +45,17 @@ class S3DTask:
     def init_trainable(self, m, cfg: TrainConfig, key):
         from s3djax.speculative.draft_params import load_draft
 
-        return warm_start(init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key), cfg.init_from,
-                          f"a {cfg.mode} draft of this plan and LoRA rank",
+        fresh = init_trainable(m.params, m.config, self.plan, cfg.mode, cfg.lora_rank, key)
+        if cfg.correction_rank:
+            fresh["correction"] = init_correction(m.config.hidden_size, cfg.correction_rank, jax.random.fold_in(key, 1))
+        return warm_start(fresh, cfg.init_from, f"a {cfg.mode} draft of this plan, LoRA rank and correction rank",
                           lambda path: load_draft(path, m.config, jnp.float32))
 
     def loss(self, trainable, frozen, batch, key):
         params, draft = assemble(trainable, frozen)
         cfg = self.cfg
+        if cfg.freeze_draft:  # no gradient reaches the layers, so none flows back through them
+            draft = {k: v if k == "correction" else jax.lax.stop_gradient(v) for k, v in draft.items()}
         return s3d_loss(params, draft, batch, key, config=self.config, plan=self.plan, gamma=cfg.gamma,
                         num_anchors=self.num_anchors, target=cfg.target,
                         lm_weight=cfg.lm_weight if cfg.mode == "full" else 0.0)
@@ -60,7 +66,8 @@ class S3DTask:
         path = os.path.join(out, "draft.npz")
         cfg = self.cfg
         save_draft(path, trained, {**meta, "skip": self.plan.spec(), "gamma": cfg.gamma, "mode": cfg.mode,
-                                   "lora_rank": cfg.lora_rank, "target": cfg.target})
+                                   "lora_rank": cfg.lora_rank, "correction_rank": cfg.correction_rank,
+                                   "target": cfg.target})
         return path
 
 

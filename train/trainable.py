@@ -43,13 +43,14 @@ def assemble(trainable: dict, frozen: dict) -> tuple[dict, dict]:
 def warm_start(fresh: dict, path: str | None, what: str, load=None) -> dict:
     """`fresh` (the trainable tree a task starts from), or the same tree read from a draft file (init_from).
 
-    Entries the file holds beyond the trainable ones are left out; any other difference in structure or
-    shape is one line of error. `load(path)` reads the file (default `load_artifact` in float32).
+    Entries the file holds beyond the trainable ones are left out, and entries it lacks keep their fresh
+    start (a correction added to a trained draft); any other difference in structure or shape is one line
+    of error. `load(path)` reads the file (default `load_artifact` in float32).
     """
     if not path:
         return fresh
     start, _ = load(path) if load else load_artifact(path, jnp.float32)
-    start = {k: v for k, v in start.items() if k in fresh}
+    start = {k: start.get(k, v) for k, v in fresh.items()}
     if jax.tree.structure(start) != jax.tree.structure(fresh) or \
             jax.tree.map(jnp.shape, start) != jax.tree.map(jnp.shape, fresh):
         raise UserError(f"init_from {path} is not {what}")

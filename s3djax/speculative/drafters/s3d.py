@@ -2,7 +2,9 @@
 
 Its tree may be static, or dynamic (`DynamicTree`): the best paths by the draft's joint
 probabilities, chosen every step. A draft with its own vocabulary (`s3djax.speculative.draft_vocab`)
-drafts over those tokens only.
+drafts over those tokens only. A draft with a previous-token correction
+(`s3djax.speculative.correction`) drafts a static tree depth by depth, each node's children
+conditioned on its token.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from s3djax import cache as kv
+from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
-from s3djax.sampling import Sampling, process_logits
+from s3djax.sampling import Sampling, process_logits, top_k
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab
+from s3djax.speculative.correction import CANDIDATES, delta
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import DynamicTree, TreeSpec
 
@@ -29,8 +34,9 @@ class S3DDrafter(Drafter):
     tree: TreeSpec | DynamicTree
     gamma: int
 
-    def block_logits(self, params, draft, cache, length, last):
-        """Logits [B, gamma, V] for positions length+1 .. length+gamma, and the cache with scratch writes.
+    def block_hidden(self, params, draft, cache, length, last):
+        """Final-normed states [B, gamma, D] for positions length+1 .. length+gamma, and the cache with
+        scratch writes.
 
         The block sits at positions and slots length .. length+gamma-1: it sees the committed cache
         (slots < length) and itself causally, at every layer the plan keeps.
@@ -41,9 +47,13 @@ class S3DDrafter(Drafter):
         masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
         positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]
         mask = kv.causal(length, self.gamma)
-        hidden, cache = decoder.apply(variables, None, positions, cache, length, mask,
-                                      embeds=jnp.concatenate([first, masks], axis=1), lora=draft.get("lora"))
-        return decoder.apply(variables, hidden, draft.get("head"), method="logits"), cache
+        return decoder.apply(variables, None, positions, cache, length, mask,
+                             embeds=jnp.concatenate([first, masks], axis=1), lora=draft.get("lora"))
+
+    def block_logits(self, params, draft, cache, length, last):
+        """Logits [B, gamma, V] of the block (without a correction), and the cache with scratch writes."""
+        hidden, cache = self.block_hidden(params, draft, cache, length, last)
+        return Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits"), cache
 
     def init_state(self, params, draft, prompt, lengths, cache):
         # A dynamic tree changes every step: the loop carries the one drafted to its verification.
@@ -53,21 +63,24 @@ class S3DDrafter(Drafter):
         return state if self.tree.dynamic else self.tree.arrays(batch)
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
-        logits, cache = self.block_logits(params, draft, cache, length, last)
+        hidden, cache = self.block_hidden(params, draft, cache, length, last)
+        logits = Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits")
+        if "correction" in draft:
+            return *self.corrected(params, draft, hidden, logits, last, key, sampling), cache, state
         b, k = last.shape[0], self.tree.max_rank + 1
         if sampling.greedy:
             top, candidates = (jnp.max(logits, -1, keepdims=True), jnp.argmax(logits, -1)[..., None]) if k == 1 \
-                else jax.lax.top_k(logits, k)
+                else top_k(logits, k)
             # log q of the candidates, for a dynamic tree's choice (XLA drops it for a static tree)
             scores = top.astype(jnp.float32) - jax.nn.logsumexp(logits.astype(jnp.float32), -1, keepdims=True)
         else:
             logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)              # [B, gamma, V_draft]
             # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
             # without replacement (Kool et al. 2019), the order sampled verification tries them in.
-            drawn, candidates = jax.lax.top_k(logq + jax.random.gumbel(key, logq.shape), k)
+            drawn, candidates = top_k(logq + jax.random.gumbel(key, logq.shape), k)
             # A dynamic tree's shape comes from q, never from the draws: which children a node tries
             # must not depend on what they turn out to be, or the rejection rule stops being exact.
-            scores = jax.lax.top_k(logq, k)[0]
+            scores = top_k(logq, k)[0]
         # Simultaneous drafting: a node's candidates depend on its depth only, not on its parent.
         tree, depth, rank = self.tree.layout(scores)
         rows = jnp.arange(b)[:, None]
@@ -79,3 +92,44 @@ class S3DDrafter(Drafter):
         q = jnp.exp(logq)[rows, jnp.minimum(tree.depths, self.gamma - 1)]                  # node -> q of depth + 1
         q = draft_vocab.full_probs(draft, q, self.config.vocab_size)
         return nodes, valid, q, cache, state
+
+    def corrected(self, params, draft, hidden, logits, last, key, sampling: Sampling):
+        """(nodes, valid, q) of a static tree drafted depth by depth with the previous-token correction:
+        a node's children are its depth's top candidates rescored given the node's own token."""
+        tree, b, width = self.tree, last.shape[0], self.tree.max_rank + 1
+        assert not tree.dynamic, "a corrected draft drafts static trees"  # methods turns this into a UserError
+        base, cand = top_k(logits, min(CANDIDATES, logits.shape[-1]))                 # [B, gamma, K]
+        table = draft["head"] if draft_vocab.has_vocab(draft) else params.get("lm_head", params["embed"])
+        head_rows = quant.take(table, cand).astype(hidden.dtype)                               # [B, gamma, K, D]
+        depths, parents, ranks = tree.node_depths, tree.parents, tree.node_ranks
+        decoder, rows = Decoder(self.config), jnp.arange(b)[:, None]
+        nodes = jnp.zeros((b, tree.num_nodes), jnp.int32).at[:, 0].set(last)
+        valid = jnp.ones((b, tree.num_nodes), bool)
+        q = None if sampling.greedy else jnp.zeros((b, tree.num_nodes, self.config.vocab_size), jnp.float32)
+        for d in range(tree.depth + 1):
+            level = np.flatnonzero(depths == d)
+            kids = np.flatnonzero((depths == d + 1) & (np.arange(tree.num_nodes) > 0))
+            if sampling.greedy and not len(kids):
+                continue
+            at = min(d, self.gamma - 1)  # a leaf at depth gamma has no position; its q is never read
+            scores = base[:, at, None]  # the root's children: depth 1's position saw the last token itself
+            if d:
+                embeds = decoder.apply({"params": params}, nodes[:, level], method="embed_tokens")
+                scores = scores + jnp.einsum("bnd,bkd->bnk", delta(draft["correction"], hidden[:, at, None], embeds),
+                                             head_rows[:, at])
+            if sampling.greedy:
+                order = top_k(scores, width)[1]
+            else:
+                logq = jax.nn.log_softmax(process_logits(scores, sampling), axis=-1)            # [B, n_d, K]
+                # Gumbel-top-k, as in `draft`: draws without replacement, in the order verification tries them
+                drawn, order = top_k(logq + jax.random.gumbel(jax.random.fold_in(key, d), logq.shape), width)
+                probs = jnp.zeros((b, len(level), logits.shape[-1]), jnp.float32).at[
+                    rows[..., None], jnp.arange(len(level))[None, :, None], cand[:, at, None]].set(jnp.exp(logq))
+                q = q.at[:, level].set(draft_vocab.full_probs(draft, probs, self.config.vocab_size))
+            if len(kids):
+                slot = np.searchsorted(level, parents[kids])  # each kid's parent's place in its level
+                picked = jnp.take_along_axis(cand[:, at], order[:, slot, ranks[kids]], axis=1)
+                nodes = nodes.at[:, kids].set(draft_vocab.token_ids(draft, picked).astype(jnp.int32))
+                if not sampling.greedy:
+                    valid = valid.at[:, kids].set(jnp.isfinite(drawn[:, slot, ranks[kids]]))
+        return nodes[:, 1:], valid[:, 1:], q  # the root is no draft; q is per node, root first
