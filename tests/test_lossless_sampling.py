@@ -25,7 +25,7 @@ from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
-from tests.tiny import LLAMA, random_params
+from tests.tiny import LLAMA, random_correction, random_params
 
 SMALL = ModelConfig(arch="llama", vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                     num_kv_heads=2, head_dim=8, rope_theta=100.0)
@@ -119,14 +119,11 @@ def test_a_draft_vocabulary_samples_the_target_distribution(params):
                          ids=["t1-tree16", "shaped-tree8-5-candidates"])
 def test_a_previous_token_correction_samples_the_target_distribution(params, monkeypatch, sampling, tree, candidates):
     # Each node's children come from its own corrected q; with 5 candidates, q is 0 on 7 of 12 tokens.
-    from s3djax.speculative.correction import init_correction
     from s3djax.speculative.drafters import s3d
 
     monkeypatch.setattr(s3d, "CANDIDATES", candidates)
     decoder, plan = spec_decoder(sampling, tree)
-    c = init_correction(SMALL.hidden_size, 4, jax.random.key(3))
-    correction = {**c, "token": 10 * c["token"], "out": jax.random.normal(jax.random.key(4), c["out"].shape)}
-    draft = {**init_draft(params, SMALL, plan), "correction": correction}
+    draft = {**init_draft(params, SMALL, plan), "correction": random_correction(SMALL, 3)}
     assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, sampling)) > SIGNIFICANCE
 
 

@@ -12,7 +12,7 @@ from s3djax.speculative import tree as trees
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from train import objectives as ob
-from tiny import LLAMA, PHI3, random_params
+from tiny import LLAMA, PHI3, random_correction, random_params
 from train.trainable import assemble, init_trainable
 
 PLAN = SkipPlan.skipping_layers(4, [1, 2])
@@ -54,14 +54,12 @@ def test_a_corrected_chain_drafts_the_training_objectives_argmax(monkeypatch):
     # Teacher forcing with the chain's own tokens as data, training's corrected logits pick that chain.
     # Inference rescores only the uncorrected top candidates; here they are the whole vocabulary.
     from s3djax.sampling import Sampling
-    from s3djax.speculative.correction import init_correction
     from s3djax.speculative.drafters import s3d
 
     monkeypatch.setattr(s3d, "CANDIDATES", LLAMA.vocab_size)
 
     params, draft, tokens = setup(LLAMA)
-    c = init_correction(LLAMA.hidden_size, 4, jax.random.key(7))
-    draft = {**draft, "correction": {**c, "out": jax.random.normal(jax.random.key(8), c["out"].shape)}}
+    draft = {**draft, "correction": random_correction(LLAMA, 7)}
     drafter = S3DDrafter(LLAMA, PLAN, trees.resolve("chain", GAMMA), GAMMA)
     changed = 0
     for a, i in enumerate(np.asarray(ANCHORS[0])):

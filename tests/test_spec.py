@@ -16,13 +16,12 @@ from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import tree as trees
 from s3djax.cache import init_cache
 from s3djax.sampling import Sampling
-from s3djax.speculative.correction import init_correction
 from s3djax.speculative.draft_params import init_draft, load_draft, save_draft
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
-from tiny import LLAMA, PHI3, random_params
+from tiny import LLAMA, PHI3, random_correction, random_params
 
 CACHE = 96
 
@@ -56,11 +55,8 @@ def test_lossless_with_a_draft_vocabulary():
             assert spec.generate(prompt, 40).tokens == ar.generate(prompt, 40).tokens
 
 
-def corrected(draft, config, seed, rank=4):
-    """The draft with a random, non-zero previous-token correction."""
-    c = init_correction(config.hidden_size, rank, jax.random.key(seed))
-    out = jax.random.normal(jax.random.key(seed + 1), c["out"].shape)
-    return {**draft, "correction": {**c, "token": 10 * c["token"], "out": out}}  # the token's term matters
+def corrected(draft, config, seed):
+    return {**draft, "correction": random_correction(config, seed)}
 
 
 @pytest.mark.parametrize("vocab", [False, True], ids=["full-vocab", "draft-vocab"])

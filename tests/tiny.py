@@ -11,6 +11,17 @@ PHI3 = ModelConfig(arch="phi3", vocab_size=89, hidden_size=40, intermediate_size
                    num_kv_heads=1, head_dim=8, rope_theta=700.0)
 
 
+def random_correction(config: ModelConfig, seed: int, rank: int = 4) -> dict:
+    """A random, non-zero previous-token correction for a draft of this model."""
+    import jax
+
+    from s3djax.speculative.correction import init_correction
+
+    c = init_correction(config.hidden_size, rank, jax.random.key(seed))
+    out = jax.random.normal(jax.random.key(seed + 1), c["out"].shape)
+    return {**c, "token": 10 * c["token"], "out": out}  # loud enough that the previous token changes choices
+
+
 def tiny_model(seed: int = 0) -> LoadedModel:
     return LoadedModel("tiny", TINY, random_params(TINY, seed), None, 0.0)
 

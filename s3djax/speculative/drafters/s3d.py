@@ -53,7 +53,11 @@ class S3DDrafter(Drafter):
     def block_logits(self, params, draft, cache, length, last):
         """Logits [B, gamma, V] of the block (without a correction), and the cache with scratch writes."""
         hidden, cache = self.block_hidden(params, draft, cache, length, last)
-        return Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits"), cache
+        return self.head_logits(params, draft, hidden), cache
+
+    def head_logits(self, params, draft, hidden):
+        """The draft's head (its vocabulary's rows, if it has one) over final-normed states."""
+        return Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits")
 
     def init_state(self, params, draft, prompt, lengths, cache):
         # A dynamic tree changes every step: the loop carries the one drafted to its verification.
@@ -64,7 +68,7 @@ class S3DDrafter(Drafter):
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         hidden, cache = self.block_hidden(params, draft, cache, length, last)
-        logits = Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits")
+        logits = self.head_logits(params, draft, hidden)
         if "correction" in draft:
             return *self.corrected(params, draft, hidden, logits, last, key, sampling), cache, state
         b, k = last.shape[0], self.tree.max_rank + 1
