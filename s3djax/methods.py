@@ -166,8 +166,10 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
                         "target, not the original weights")
     draft = draft_vocab.attach(draft, meta, params)
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
-    if "correction" in draft and drafter.tree.dynamic:
-        raise UserError(f"{path} has a previous-token correction, which drafts static trees only, not {opts.tree}")
+    if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
+        draft = {k: v for k, v in draft.items() if k != "correction"}
+        warnings.append(f"{opts.tree} drafts without the draft's previous-token correction, which needs a "
+                        "static tree")
     switch = S3D_LOOKUP.get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
     if switch < 0:
         raise UserError(f"--lookup must be 0 (never) or more, got {switch}")

@@ -279,16 +279,17 @@ def test_a_draft_file_brings_its_plan_and_silences_the_warning(smollm2, tmp_path
     assert overridden.decoder.drafter.plan == methods.default_draft_plan(30)
 
 
-def test_a_corrected_draft_file_drafts_static_trees_only(smollm2, tmp_path):
+def test_a_corrected_draft_file_drafts_dynamic_trees_without_its_correction(smollm2, tmp_path):
     from s3djax import methods
-    from s3djax.errors import UserError
 
     draft = corrected(init_draft(smollm2.params, smollm2.config, methods.default_draft_plan(30)), smollm2.config, 1)
     save_draft(str(tmp_path / "c.npz"), draft, {"correction_rank": 4})
     built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="tree-8")
-    assert "previous-token correction rank 4" in built.draft
-    with pytest.raises(UserError, match="static trees only"):
-        methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="dynamic-8")
+    assert "previous-token correction rank 4" in built.draft and built.warnings == []
+    dynamic = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="dynamic-8")
+    assert "correction" not in dynamic.params[1] and "correction" not in dynamic.draft
+    assert dynamic.warnings == ["dynamic-8 drafts without the draft's previous-token correction, which needs a "
+                                "static tree"]
 
 
 @pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
