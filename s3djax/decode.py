@@ -8,6 +8,7 @@ cache fills, or `stop_at` tokens exist. `stop_at` is traced, so streaming in chu
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Callable, Iterator
@@ -25,6 +26,12 @@ from s3djax.sampling import Sampling, sample
 from s3djax.skip_plan import SkipPlan
 
 MIN_BUCKET = 16
+# Decoders are frozen, hashable values, so one executable per (decoder, step, argument types) serves every
+# Runner in the process: building the same method again (another Runner, a Generator session, a benchmark
+# round) neither traces nor compiles. Tracing a SmolLM2 step takes seconds even when XLA's persistent cache
+# holds its compiled code.
+_EXECUTABLES: collections.OrderedDict = collections.OrderedDict()
+MAX_EXECUTABLES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +102,13 @@ def bucket(length: int, max_len: int) -> int:
     return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
 
 
+def signature(tree) -> tuple:
+    """What an executable depends on in its arguments: their structure, shapes, dtypes and placement."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((a.shape, a.dtype, getattr(a, "weak_type", False), getattr(a, "sharding", None))
+                          if hasattr(a, "shape") else a for a in leaves)
+
+
 @dataclasses.dataclass
 class Result:
     tokens: list[int]          # new tokens, EOS included if it was produced
@@ -114,17 +128,19 @@ class Runner:
 
     def __init__(self, decoder: ARDecoder, params):
         self.decoder, self.params = decoder, params
-        self._executables: dict = {}
 
     def _compiled(self, name: str, fn, *args):
-        key = (name,) + tuple((a.shape, a.dtype) for a in jax.tree.leaves(args) if hasattr(a, "shape"))
-        if key in self._executables:
-            return self._executables[key], 0.0
+        key = (self.decoder, name, signature((self.params, *args)))
+        if key in _EXECUTABLES:
+            _EXECUTABLES.move_to_end(key)
+            return _EXECUTABLES[key], 0.0
         t = time.perf_counter()
         donate = (1,) if name == "decode" else ()  # the state, cache included, is updated in place
-        self._executables[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(
+        _EXECUTABLES[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(
             quant.compiler_options(self.params))
-        return self._executables[key], time.perf_counter() - t
+        if len(_EXECUTABLES) > MAX_EXECUTABLES:
+            _EXECUTABLES.popitem(last=False)
+        return _EXECUTABLES[key], time.perf_counter() - t
 
     def _prompt_args(self, prompt_ids: list[int], seed: int):
         d = self.decoder
