@@ -48,9 +48,9 @@ generate: setup
 	$(PY) -m infer.generate --model smollm2-135m --method s3d --prompt "$(PROMPT)" $(ARGS)
 
 # Most tests are single-threaded XLA compiles: two workers (four at most, each loads SmolLM2) cut
-# the 2-core CI run by about a third.
+# the 2-core CI run by about a third. loadgroup keeps a group's tests (xdist_group) on one worker.
 test: setup cuda-env
-	$(PY) -m pytest -q -n auto --maxprocesses 4 tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup tests
 
 # What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,
 # in .carry/ (git-ignored), each part small enough to travel with the working tree in one device call:

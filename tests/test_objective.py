@@ -1,5 +1,7 @@
 """The training objective computes exactly what the inference draft step computes, and nothing more."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +31,20 @@ def setup(config, seed=0):
     return params, draft, tokens
 
 
+# Jitted: op by op, each of these tests compiled 500-600 small programs, most of its time.
+@functools.partial(jax.jit, static_argnames="config")
 def training_blocks(params, draft, tokens, config, context=None):
     if context is None:
         context = model.forward_sequence(params, tokens, config=config)[1]
     return ob.block_logits(params, draft, context, tokens, ANCHORS, config=config, plan=PLAN, gamma=GAMMA)
+
+
+@functools.partial(jax.jit, static_argnames=("i", "config"))
+def committed(params, tokens, i, config):
+    """Inference's cache with the prefix t_0..t_{i-1} committed (t_i is the last token, not yet cached)."""
+    zero = jnp.zeros((1,), jnp.int32)
+    return model.Decoder(config).apply({"params": params}, tokens[:, :i], jnp.arange(i)[None],
+                                       kv.init_cache(config, 1, 64), zero, kv.causal_mask(zero, i, 64))[1]
 
 
 @pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
@@ -40,13 +52,9 @@ def test_training_blocks_equal_the_inference_draft_step(config):
     params, draft, tokens = setup(config)
     got = training_blocks(params, draft, tokens, config)
     drafter = S3DDrafter(config, PLAN, trees.resolve("chain", GAMMA), GAMMA)
-    for a, i in enumerate(np.asarray(ANCHORS[0])):
-        # Inference: the prefix t_0..t_{i-1} is committed, t_i is the last token, not yet cached.
-        cache = kv.init_cache(config, 1, 64)
-        zero = jnp.zeros((1,), jnp.int32)
-        _, cache = model.Decoder(config).apply({"params": params}, tokens[:, :i], jnp.arange(i)[None], cache, zero,
-                                               kv.causal_mask(zero, i, 64))
-        want, _ = drafter.block_logits(params, draft, cache, jnp.array([i]), tokens[:, i])
+    block_logits = jax.jit(drafter.block_logits)
+    for a, i in enumerate(np.asarray(ANCHORS[0]).tolist()):
+        want, _ = block_logits(params, draft, committed(params, tokens, i, config), jnp.array([i]), tokens[:, i])
         np.testing.assert_allclose(got[0, a], want[0], atol=2e-5)
 
 
@@ -62,12 +70,9 @@ def test_a_corrected_chain_drafts_the_training_objectives_argmax(monkeypatch):
     draft = {**draft, "correction": random_correction(LLAMA, 7)}
     drafter = S3DDrafter(LLAMA, PLAN, trees.resolve("chain", GAMMA), GAMMA)
     changed = 0
-    for a, i in enumerate(np.asarray(ANCHORS[0])):
-        cache = kv.init_cache(LLAMA, 1, 64)
-        zero = jnp.zeros((1,), jnp.int32)
-        _, cache = model.Decoder(LLAMA).apply({"params": params}, tokens[:, :i], jnp.arange(i)[None], cache, zero,
-                                              kv.causal_mask(zero, i, 64))
-        chain = drafter.draft(params, draft, cache, jnp.array([i]), tokens[:, i], (), None, Sampling())[0][0]
+    greedy_draft = jax.jit(lambda *args: drafter.draft(*args, (), None, Sampling())[0])
+    for a, i in enumerate(np.asarray(ANCHORS[0]).tolist()):
+        chain = greedy_draft(params, draft, committed(params, tokens, i, LLAMA), jnp.array([i]), tokens[:, i])[0]
         forced = tokens.at[0, i + 1:i + GAMMA].set(chain[:GAMMA - 1])
         got = jnp.argmax(training_blocks(params, draft, forced, LLAMA)[0, a], axis=-1)
         np.testing.assert_array_equal(got, chain)
@@ -78,12 +83,13 @@ def test_a_corrected_chain_drafts_the_training_objectives_argmax(monkeypatch):
 
 def test_a_block_sees_nothing_at_or_after_its_anchor():
     params, draft, tokens = setup(LLAMA)
-    _, context = model.forward_sequence(params, tokens, config=LLAMA)
+    context_of = jax.jit(lambda t: model.forward_sequence(params, t, config=LLAMA)[1])
+    context = context_of(tokens)
     base = training_blocks(params, draft, tokens, LLAMA, context)
     first = int(ANCHORS[0, 0])
     # Later data tokens change the context K/V after the first anchor, but not its block.
     later = tokens.at[:, first + 1:].set((tokens[:, first + 1:] + 1) % LLAMA.vocab_size)
-    moved = training_blocks(params, draft, later, LLAMA)
+    moved = training_blocks(params, draft, later, LLAMA, context_of(later))
     np.testing.assert_array_equal(moved[0, 0], base[0, 0])
     assert not np.allclose(moved[0, 1], base[0, 1])  # the next block's context did change
     # The context's own K/V at the anchor slot is never read: the block brings its own for t_i.
@@ -139,7 +145,7 @@ def test_gradients_reach_only_what_the_mode_trains(mode):
         return ob.s3d_loss(p, d, batch, jax.random.key(2), config=LLAMA, plan=plan, gamma=GAMMA, num_anchors=6,
                            lm_weight=1.0 if mode == "full" else 0.0)[0]
 
-    grads, frozen_grads = jax.grad(loss, argnums=(0, 1))(trainable, params)
+    grads, frozen_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(trainable, params)
     assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
     if mode == "lossless":  # the target only feeds the draft; it is never handed to the optimizer
         assert jax.tree.structure(grads) == jax.tree.structure(trainable)

@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from s3djax import cache as kv
@@ -23,6 +24,7 @@ def test_config_read_from_the_gguf(smollm2):
     assert (c.vocab_size, c.rope_theta, c.tie_word_embeddings, c.eos_token_ids) == (49152, 100000.0, True, (2,))
 
 
+@pytest.mark.xdist_group("smollm2_hf")  # one worker loads transformers' copy (30 s) for both
 def test_logits_match_transformers(smollm2, smollm2_hf):
     ids = tokenizer.encode_prompt(smollm2.tokenizer, mtbench_turns()[0], chat_template=True)[:96]
     tokens = jnp.asarray([ids], jnp.int32)

@@ -1,5 +1,6 @@
 """Static token trees, the tree attention mask, greedy acceptance and the K/V commit."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def test_a_dynamic_tree_under_the_static_trees_estimate_is_that_static_tree(size
     # configs/trees/tree-N are the N best paths when the rank-r candidate is right 0.6 * 0.4^r of the time.
     dynamic = trees.resolve(f"dynamic-{size}", 4)
     k = dynamic.max_rank + 1
-    arrays, depth, rank = dynamic.layout(jnp.log(jnp.broadcast_to(0.6 * 0.4 ** jnp.arange(k), (1, 4, k))))
+    arrays, depth, rank = jax.jit(dynamic.layout)(jnp.log(jnp.broadcast_to(0.6 * 0.4 ** jnp.arange(k), (1, 4, k))))
     static = trees.resolve(f"tree-{size}", 4)
     assert chosen_paths(arrays, rank) == list(static.paths)
     assert np.asarray(depth[0]).tolist() == (static.node_depths[1:] - 1).tolist()
@@ -111,7 +112,7 @@ def test_a_dynamic_tree_is_the_best_closed_set_and_verification_reads_it_as_a_st
     dynamic = trees.DynamicTree(12, 3, width=4)
     logq = np.sort(np.log(rng.dirichlet(np.ones(40) * 0.3, size=(3, 3))), axis=-1)[..., ::-1][..., :4]
     logq[1, 1, 2:] = -np.inf  # sampling's q can be 0 (top-k, top-p): such nodes still make a tree
-    arrays, depth, rank = dynamic.layout(jnp.asarray(logq, jnp.float32))
+    arrays, depth, rank = jax.jit(dynamic.layout)(jnp.asarray(logq, jnp.float32))  # op by op: 100 compiles
     for row in range(3):
         paths = chosen_paths(arrays, rank, row)
         spec = TreeSpec.from_paths(paths)  # raises unless every node's parent was chosen before it
