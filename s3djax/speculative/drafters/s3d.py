@@ -101,7 +101,7 @@ class S3DDrafter(Drafter):
         """(nodes, valid, q) of a static tree drafted depth by depth with the previous-token correction:
         a node's children are its depth's top candidates rescored given the node's own token."""
         tree, b, width = self.tree, last.shape[0], self.tree.max_rank + 1
-        assert not tree.dynamic, "a corrected draft drafts static trees"  # methods turns this into a UserError
+        assert not tree.dynamic, "a corrected draft drafts static trees"  # methods drops the correction for a dynamic one
         base, cand = top_k(logits, min(CANDIDATES, logits.shape[-1]))                 # [B, gamma, K]
         table = draft["head"] if draft_vocab.has_vocab(draft) else params.get("lm_head", params["embed"])
         head_rows = quant.take(table, cand).astype(hidden.dtype)                               # [B, gamma, K, D]
