@@ -96,6 +96,9 @@ def test_a_run_cut_short_exports_where_it_stopped_and_resumes_on_its_schedule(da
     from tiny import TINY
 
     m = tiny_model()
+    timed = train(tiny_config(data, str(tmp_path), steps=6, stop_after_s=1e-9), loaded=m, progress=False)
+    assert load_draft(timed["path"], TINY, np.float32)[1]["steps"] == 1  # out of time after its first step
+    assert [r["step"] for r in timed["records"] if r["split"] == "eval"] == [0, 1]
     cut = train(tiny_config(data, str(tmp_path), steps=6, stop_at=3), loaded=m, progress=False)
     assert load_draft(cut["path"], TINY, np.float32)[1]["steps"] == 3
     whole = train(tiny_config(data, str(tmp_path), steps=6), loaded=m, progress=False)  # the same run, to its end

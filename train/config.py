@@ -37,6 +37,7 @@ class TrainConfig:
     steps: int = 1000                # optimizer steps (the schedule's length)
     stop_at: int = 0                 # stop and export at this step instead (0: at `steps`); the schedule is kept
     patience: int = 0                # stop once this many held-out evaluations in a row have not beaten the best (0: off)
+    stop_after_s: float = 0.0        # stop, save and export once this process has trained this long (0: off): a lease
     lr: float = 3e-5
     warmup_steps: int = 50
     schedule: str = "cosine"
@@ -61,8 +62,9 @@ class TrainConfig:
                   (self.gamma >= 1, "gamma must be at least 1"),
                   (0 < self.anchor_fraction <= 1, "anchor_fraction must be in (0, 1]"),
                   (min(self.batch_size, self.grad_accum, self.steps, self.log_every, self.eval_every,
-                       self.save_every, self.keep) >= 1 and self.patience >= 0,
-                   "batch_size, grad_accum, steps and the intervals must be at least 1, patience at least 0"),
+                       self.save_every, self.keep) >= 1 and min(self.patience, self.stop_after_s) >= 0,
+                   "batch_size, grad_accum, steps and the intervals must be at least 1, patience and stop_after_s "
+                   "at least 0"),
                   (self.lr > 0 and min(self.lora_rank, self.correction_rank, self.warmup_steps) >= 0,
                    "lr, lora_rank, correction_rank and warmup_steps must not be negative"),
                   (not self.freeze_draft or (self.correction_rank and self.init_from and self.mode == "lossless"),
@@ -109,4 +111,4 @@ class TrainConfig:
 
 
 # Settings a resumed run may change without changing what it computes.
-RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data", "stop_at", "patience"}
+RESUMABLE_CHANGES = {"out", "log_every", "eval_every", "eval_batches", "save_every", "keep", "data", "stop_at", "patience", "stop_after_s"}

@@ -243,7 +243,7 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
         say(f"step 0: held-out accuracy by depth {e['depth_acc']}")
         best = export(0, e) if cfg.patience else None
     window, tokens, tic = None, 0, time.perf_counter()
-    stop = plateaued(evals(), cfg.patience)
+    stop, began = plateaued(evals(), cfg.patience), time.monotonic()
     try:
         for step in range(start + 1, last + 1):
             if stop:
@@ -269,7 +269,8 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
                 if bar.disable:  # no bar to carry them: a log gets the metrics as a line
                     say(f"step {step}: loss {s['loss']:.3f}, accuracy by depth {s['depth_acc']}, {rate:.0f} tokens/s")
                 window, tokens, tic = None, 0, time.perf_counter()
-            if step % cfg.eval_every == 0 or step == last:
+            timed_out = bool(cfg.stop_after_s) and time.monotonic() - began >= cfg.stop_after_s
+            if step % cfg.eval_every == 0 or step == last or timed_out:
                 e = evaluate(step)
                 say(f"step {step}: held-out loss {e['loss']:.3f}, accuracy by depth {e['depth_acc']}")
                 if cfg.patience and e is best_eval():
@@ -278,6 +279,9 @@ def train(cfg: TrainConfig, make_task, loaded=None, progress: bool | None = None
                 if stop:
                     say(f"step {step}: stopping, {cfg.patience} held-out evaluations have not beaten step "
                         f"{best_eval()['step']}, whose state is the artifact")
+            if timed_out and not stop:
+                stop = True
+                say(f"step {step}: stopping, stop_after_s ({cfg.stop_after_s:g} s) has passed; a rerun resumes here")
             if step % cfg.save_every == 0 or step == last or stop:
                 mngr.save(step, args=ocp.args.StandardSave(state))
             bar.update()

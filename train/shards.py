@@ -28,6 +28,13 @@ class Shards:
         info = self.manifest["splits"].get(split)
         if info is None or info["rows"] == 0:
             raise UserError(f"{folder} has no {split} rows")
+        missing = [name for name in info["shards"] if not os.path.isfile(os.path.join(folder, name))]
+        if missing:  # git keeps a distilled set's parts, not its shards
+            answered = sum(split["rows"] for split in self.manifest["splits"].values())
+            how = (f"rerun the `python -m train.distill --out {folder}` that made it with --prompts {answered}, "
+                   "which rebuilds them from its parts" if "new_tokens" in self.manifest else
+                   f"rerun `python -m train.prepare_data --out {folder}`")
+            raise UserError(f"{folder} lacks its shard {missing[0]}: {how}")
         parts = {"tokens": [], "loss_mask": [], "lengths": []}
         for name in info["shards"]:
             with np.load(os.path.join(folder, name)) as f:
