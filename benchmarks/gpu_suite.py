@@ -82,15 +82,16 @@ def pieces(args, run_dir: str) -> list[Piece]:
                                     "--max-cache-len", str(args.max_cache_len), "--dtype", "bfloat16", *flags, "--out", at(name),
                                     *(["--draft", "none"] if args.tiny else [])),  # a random model has no trained drafts
                              ("gpu", "model", dataset) + (("torch",) if peers else ())))
-    train = dict(model=args.model, data=args.train_data, out=at("train-s3d"), stop_at=args.train_steps, save_every=100,
-                 log_every=50, **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
+    train = dict(model=args.model, data=args.train_data, out=at("train-s3d"), stop_after_s=args.train_seconds,
+                 **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
     if args.tiny:
-        train.update(steps=4, stop_at=0, batch_size=2, compute_dtype="float32", save_every=2, eval_every=2, eval_batches=1)
+        train.update(steps=4, stop_after_s=0, batch_size=2, compute_dtype="float32", save_every=2, eval_every=2,
+                     eval_batches=1, correction_rank=8)
     train = [f"{k}={v}" for k, v in train.items()]
     out.insert([q.name for q in out].index("bench-mt-bench-bf16-xla") + 1, Piece("projection", ("-m", "benchmarks.projection", *quick, *short, "--acceptance",
                                               os.path.join(at("bench-mt-bench-bf16-xla"), "results.json"),
                                               "--out", at("projection")), ("gpu",), after="bench-mt-bench-bf16-xla"))
-    out.append(Piece("train-s3d", ("-m", "train.s3d", "--config", "configs/train/s3d-smollm2.yaml", *train),
+    out.append(Piece("train-s3d", ("-m", "train.s3d", "--config", "configs/train/s3d-smollm2-gpu.yaml", *train),
                      ("gpu", "model", "train-data")))
     if args.tiny:  # the tiny model and its shards come first, made as a user would make them
         out[:0] = [Piece("tiny-model", ("-m", "benchmarks.tiny_model", "--out", args.model), ("smollm2",)),
@@ -148,10 +149,13 @@ def missing(need: str, args) -> str | None:
             return f"the {need} prompts: {e} (carry the wheel: make gpu-carry)"
         return None
     if need == "train-data":
-        if args.tiny or os.path.isfile(os.path.join(args.train_data, "manifest.json")):
+        manifest = os.path.join(args.train_data, "manifest.json")
+        if args.tiny or os.path.isfile(manifest) and all(
+                os.path.isfile(os.path.join(args.train_data, shard))
+                for split in json.load(open(manifest))["splits"].values() for shard in split["shards"]):
             return None
-        return (f"training shards in {args.train_data} (the GPU image has no datasets: prepare them on a CPU with "
-                f"`python -m train.prepare_data --out {args.train_data} --max-len 1024` and carry the folder)")
+        return (f"training shards in {args.train_data} (the GPU image has no datasets: carry the shards that "
+                f"train.distill or train.prepare_data wrote there, which git ignores: make gpu-carry)")
     raise ValueError(need)
 
 
@@ -233,15 +237,17 @@ def parse_args(argv=None):
     p.add_argument("--archive", help="a .tar.gz of the results, rewritten after each piece (for example under $OUT)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--checkpoint", help="the model's file where its package is not installed (a carried .gguf)")
-    p.add_argument("--train-data", default="data/sharegpt-smollm2", help="shards from train.prepare_data")
-    p.add_argument("--train-steps", type=int, default=1500, help="where the bounded S3D training run stops")
+    p.add_argument("--train-data", default="train/distilled/smollm2-sharegpt-10k",
+                   help="token shards (default: the self-distilled answers the shipped drafts trained on)")
+    p.add_argument("--train-seconds", type=float, default=360, help="the S3D training run's stop_after_s")
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--mt-bench-limit", type=int, default=80)
     p.add_argument("--humaneval-limit", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-cache-len", type=int, default=2048)
     args = p.parse_args(argv)
-    p.check(args, piece_timeout_s=args.piece_timeout_s > 0, deadline_s=args.deadline_s is None or args.deadline_s > 0)
+    p.check(args, piece_timeout_s=args.piece_timeout_s > 0, train_seconds=args.train_seconds > 0,
+            deadline_s=args.deadline_s is None or args.deadline_s > 0)
     return args
 
 

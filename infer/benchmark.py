@@ -305,7 +305,10 @@ def main(argv=None):
     for d, per in summary.items():
         for name, s in per.items():
             if s["identical"] is not None and s["identical"] < 1.0:
-                notes.append(f"MISMATCH: {name} on {d}: only {s['identical']:.0%} of outputs are identical to ar")
+                notes.append(f"MISMATCH: {name} on {d}: only {s['identical']:.0%} of outputs are identical to ar"
+                             + (" (bfloat16 rounds a multi-token verify unlike a one-token step: "
+                                "`python -m benchmarks.divergence` tells rounding near-ties from bugs)"
+                                if args.dtype == "bfloat16" else ""))
                 print(f"warning: {notes[-1]}", file=sys.stderr)
     record = {"device": device.describe(), "jax": jax.__version__, "commit": git_commit(),
               "date": datetime.date.today().isoformat(), "model": m.name, "quant": m.quant,

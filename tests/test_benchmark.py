@@ -34,3 +34,43 @@ def test_a_bad_flag_is_one_line_and_exit_code_2():
                        text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "python -m infer.benchmark: error: argument --limit: invalid value 0"]
+
+
+def test_divergences_are_found_where_outputs_first_part():
+    from benchmarks.divergence import divergences, first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 7]) == 2  # one stopped where the other went on
+    record = {"runs": {"mt-bench": {"ar": [{"id": 81, "tokens": [4, 5, 6]}, {"id": 82, "tokens": [1, 2]}],
+                                    "s3d": [{"id": 81, "tokens": [4, 5, 6]}, {"id": 82, "tokens": [1, 9, 9]}]}}}
+    assert divergences(record) == [{"dataset": "mt-bench", "method": "s3d", "id": 82, "at": 1, "ar": 2, "other": 9}]
+
+
+def test_the_divergence_scorer_ranks_greedy_ars_own_tokens_first():
+    import numpy as np
+
+    from benchmarks.divergence import scorer
+    from s3djax.decode import ARDecoder, Runner
+    from tiny import TINY, tiny_model
+
+    m = tiny_model(seed=2)
+    prompt = [5, 17, 3, 99, 41]
+    tokens = Runner(ARDecoder(TINY, 96, eos_ids=()), m.params).generate(prompt, 12).tokens
+    score = scorer(m)  # lengths 5 to 16 fall in one 64-token bucket: the padding must not reach them
+    assert [int(np.argmax(score(prompt + tokens[:i]))) for i in range(len(tokens))] == tokens
+
+
+def test_the_divergence_report_refuses_what_it_cannot_read(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    sampled = tmp_path / "results.json"
+    sampled.write_text(json.dumps({"settings": {"temperature": 0.7}, "runs": {}}))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path, message in ((tmp_path / "none.json", "cannot read"), (sampled, "was sampled (temperature 0.7)")):
+        r = subprocess.run([sys.executable, "-m", "benchmarks.divergence", str(path)], capture_output=True, text=True,
+                           cwd=root, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
