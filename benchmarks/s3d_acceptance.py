@@ -15,12 +15,16 @@ import numpy as np
 from benchmarks import report
 from s3djax.cli import Parser, run
 
+# dataset: (its name in the title, what its prompts are, the report file's suffix)
+DATASETS = {"mt-bench": ("MT-Bench", "first turns of MT-Bench questions", ""),
+            "humaneval": ("HumanEval", "HumanEval problems", "-humaneval")}
+
 
 def main():
     p = Parser(prog="python -m benchmarks.s3d_acceptance", description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", action="append", help="draft file (repeatable; default: the model's shipped draft)")
     p.add_argument("--no-untrained", action="store_true", help="leave out the untrained mask token's runs")
-    p.add_argument("--dataset", choices=("mt-bench", "humaneval"), default="mt-bench")
+    p.add_argument("--dataset", choices=tuple(DATASETS), default="mt-bench")
     p.add_argument("--prompts", type=int, default=16, help="the first N prompts (MT-Bench: first turns)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--cache-len", type=int, default=512)
@@ -63,11 +67,10 @@ def main():
         return sum(len(r.tokens) - 1 for r in rs) / sum(r.decode_s for r in rs)
 
     ar_rate = rate(results["ar"])
-    title = "MT-Bench" if args.dataset == "mt-bench" else "HumanEval"
+    title, what, suffix = DATASETS[args.dataset]
     lines = [f"# S3D acceptance on {title}, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
-             f"- {'first turns of MT-Bench questions' if args.dataset == 'mt-bench' else 'HumanEval problems'} "
-             f"1-{len(prompts)}, chat template, greedy, up to "
+             f"- {what} 1-{len(prompts)}, chat template, greedy, up to "
              f"{args.max_new_tokens} new tokens, cache {args.cache_len}, gamma {args.gamma}",
              *[f"- {label}: {about}" for label, about in drafts.items()],
              "- tau: tokens emitted per verify step (bonus included); alpha_k: P(depth k accepted | k-1 was)", "",
@@ -82,7 +85,7 @@ def main():
         alpha = " / ".join(f"{a:.2f}" for a in pooled["acceptance_by_depth"])
         lines.append(f"| {name} | {same}/{len(rs)} | {pooled['mean_accepted_tokens']:.2f} | {alpha} | "
                      f"{rate(rs):.1f} | {rate(rs) / ar_rate:.2f}x |")
-    report.write(args.out, "s3d_acceptance" + ("" if args.dataset == "mt-bench" else "-humaneval"), "\n".join(lines))
+    report.write(args.out, "s3d_acceptance" + suffix, "\n".join(lines))
 
 
 if __name__ == "__main__":

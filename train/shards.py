@@ -30,7 +30,7 @@ class Shards:
             raise UserError(f"{folder} has no {split} rows")
         missing = [name for name in info["shards"] if not os.path.isfile(os.path.join(folder, name))]
         if missing:  # git keeps a distilled set's parts, not its shards
-            answered = sum(split["rows"] for split in self.manifest["splits"].values())
+            answered = sum(each["rows"] for each in self.manifest["splits"].values())
             how = (f"rerun the `python -m train.distill --out {folder}` that made it with --prompts {answered}, "
                    "which rebuilds them from its parts" if "new_tokens" in self.manifest else
                    f"rerun `python -m train.prepare_data --out {folder}`")
