@@ -1,3 +1,9 @@
+import json
+import os
+
+import numpy as np
+import pytest
+
 from train.distill import parts
 
 
@@ -10,3 +16,47 @@ def test_parts_sort_all_prompts_or_only_within_each_part():
     # Each part holds the same prompts as that slice of the source order: later parts keep long and short ones.
     assert [size(p) for p in parts(items, 3, "part")] == [[1, 5, 9], [2, 3, 7], [8]]
     assert [cid for p in parts(items, 3, "part") for cid, _ in p] == ["c1", "c0", "c2", "c5", "c3", "c4", "c6"]
+
+
+def _records(texts):
+    return [{"id": f"r{i}", "conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "ok"}]}
+            for i, t in enumerate(texts)]
+
+
+def test_chosen_prompts_are_saved_and_reused_without_sharegpt(tmp_path, monkeypatch):
+    from s3djax.loading import load_tokenizer
+    from train import distill
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    texts = ["Hi there", "word " * 400, "What is 2 + 2?", "Name a colour", "Tell me a joke"]
+    monkeypatch.setattr(distill, "sharegpt_path", lambda: "ShareGPT.json")
+    monkeypatch.setattr(distill, "read_records", lambda path: (_records(texts), False))
+    path = str(tmp_path / "prompts.npz")
+    chosen = distill.chosen_prompts(tokenizer, path, model="smollm2-135m", count=3, max_prompt=64)
+    assert [cid for cid, _ in chosen] == ["r0", "r2", "r3"]  # the 400-word prompt is over the limit
+
+    # A GPU machine has no ShareGPT: the saved choice serves any count up to its own.
+    monkeypatch.setattr(distill, "read_records", lambda path: pytest.fail("ShareGPT was read again"))
+    assert distill.chosen_prompts(tokenizer, path, model="smollm2-135m", count=3, max_prompt=64) == chosen
+    assert distill.chosen_prompts(tokenizer, path, model="smollm2-135m", count=2, max_prompt=64) == chosen[:2]
+    for other in ({"count": 4, "max_prompt": 64}, {"count": 3, "max_prompt": 32}):  # a choice it does not hold
+        with pytest.raises(pytest.fail.Exception):
+            distill.chosen_prompts(tokenizer, path, model="smollm2-135m", **other)
+
+
+def test_committed_prompts_are_the_prompts_of_the_committed_parts():
+    from s3djax.sharegpt import is_held_out
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train/distilled/smollm2-sharegpt-10k")
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    with np.load(os.path.join(folder, "prompts.npz")) as f:
+        ends = np.cumsum(f["lengths"])
+        items = [(str(c), f["tokens"][e - n:e].tolist()) for c, n, e in zip(f["ids"], f["lengths"], ends)]
+    assert len(items) == manifest["prompts"]
+    for k, part in enumerate(parts(items, 256, manifest["sort"])):
+        with np.load(os.path.join(folder, f"part-{k:05d}.npz")) as f:
+            assert len(f["tokens"]) == len(part)
+            for row, (_, ids) in zip(f["tokens"], part):
+                assert row[:len(ids)].tolist() == ids
+            assert f["held_out"].tolist() == [is_held_out(c, manifest["eval_fraction"]) for c, _ in part]
