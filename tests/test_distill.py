@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from train.distill import parts
+from train.distill import parts, saved_prompts
 
 
 def test_parts_sort_all_prompts_or_only_within_each_part():
@@ -51,12 +51,12 @@ def test_committed_prompts_are_the_prompts_of_the_committed_parts():
     with open(os.path.join(folder, "manifest.json")) as f:
         manifest = json.load(f)
     with np.load(os.path.join(folder, "prompts.npz")) as f:
-        ends = np.cumsum(f["lengths"])
-        items = [(str(c), f["tokens"][e - n:e].tolist()) for c, n, e in zip(f["ids"], f["lengths"], ends)]
+        items = saved_prompts(f)
     assert len(items) == manifest["prompts"]
     for k, part in enumerate(parts(items, 256, manifest["sort"])):
         with np.load(os.path.join(folder, f"part-{k:05d}.npz")) as f:
-            assert len(f["tokens"]) == len(part)
-            for row, (_, ids) in zip(f["tokens"], part):
-                assert row[:len(ids)].tolist() == ids
-            assert f["held_out"].tolist() == [is_held_out(c, manifest["eval_fraction"]) for c, _ in part]
+            tokens, held_out = f["tokens"], f["held_out"]
+        assert len(tokens) == len(part)
+        for row, (_, ids) in zip(tokens, part):
+            assert row[:len(ids)].tolist() == ids
+        assert held_out.tolist() == [is_held_out(c, manifest["eval_fraction"]) for c, _ in part]

@@ -47,9 +47,7 @@ def chosen_prompts(tokenizer, path: str, *, model: str, count: int, max_prompt: 
     if os.path.exists(path):
         with np.load(path) as f:
             if str(f["model"]) == model and int(f["max_prompt"]) == max_prompt and len(f["ids"]) >= count:
-                ends = np.cumsum(f["lengths"][:count])
-                return [(str(cid), f["tokens"][end - n:end].astype(np.int32).tolist())
-                        for cid, n, end in zip(f["ids"][:count], f["lengths"][:count], ends)]
+                return saved_prompts(f, count)
     items = []
     for cid, text in first_prompts(read_records(sharegpt_path())[0]):
         ids = tk.encode_prompt(tokenizer, text, chat_template=True)
@@ -64,6 +62,13 @@ def chosen_prompts(tokenizer, path: str, *, model: str, count: int, max_prompt: 
                         tokens=np.concatenate([ids for _, ids in items]).astype(np.int32))
     os.replace(partial, path)
     return items
+
+
+def saved_prompts(f, count: int | None = None) -> list[tuple[str, list[int]]]:
+    """The first `count` (id, prompt ids) of an opened prompts.npz (all of them for None)."""
+    lengths, tokens = f["lengths"][:count], f["tokens"]  # an npz member is read again at each access: once here
+    return [(str(cid), tokens[end - n:end].astype(np.int32).tolist())
+            for cid, n, end in zip(f["ids"][:count], lengths, np.cumsum(lengths))]
 
 
 def parts(items: list[tuple[str, list[int]]], part_rows: int, sort: str) -> list[list[tuple[str, list[int]]]]:
