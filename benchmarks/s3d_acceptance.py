@@ -17,7 +17,8 @@ from s3djax.cli import Parser, run
 
 # dataset: (its name in the title, what its prompts are, the report file's suffix)
 DATASETS = {"mt-bench": ("MT-Bench", "first turns of MT-Bench questions", ""),
-            "humaneval": ("HumanEval", "HumanEval problems", "-humaneval")}
+            "humaneval": ("HumanEval", "HumanEval problems", "-humaneval"),
+            "sharegpt-heldout": ("held-out ShareGPT", "first turns of held-out ShareGPT conversations", "-sharegpt")}
 
 
 def main():

@@ -74,3 +74,18 @@ def test_the_divergence_report_refuses_what_it_cannot_read(tmp_path):
         r = subprocess.run([sys.executable, "-m", "benchmarks.divergence", str(path)], capture_output=True, text=True,
                            cwd=root, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+
+
+def test_a_chain_simulated_from_teacher_forced_correctness_steps_as_verification_does():
+    import numpy as np
+
+    from benchmarks.held_out_acceptance import chain_steps
+
+    # anchor p drafts answer tokens p+1 .. p+4; a step accepts the leading right depths, then its bonus
+    # token is the next anchor's last token, so the next step starts k + 1 anchors on
+    c = np.array([[1, 1, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1], [1, 1, 1, 1],
+                  [1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    assert chain_steps(c, 4, 10) == [2, 0, 4, 4]      # anchors 0, 3, 4, 9
+    assert chain_steps(c, 2, 10) == [2, 0, 2, 0, 0, 2]  # anchors 0, 3, 4, 7, 8, 9
+    assert chain_steps(c, 1, 10) == [1, 0, 0, 1, 0, 0, 0, 1]  # anchors 0, 2, 3, 4, 6, 7, 8, 9
+    assert chain_steps(c, 4, 4) == [2, 0]             # only anchors before the limit start a step
