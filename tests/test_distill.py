@@ -4,6 +4,7 @@ import os
 import numpy as np
 import pytest
 
+from s3djax.errors import UserError
 from train.distill import parts, saved_prompts
 
 
@@ -42,6 +43,12 @@ def test_chosen_prompts_are_saved_and_reused_without_sharegpt(tmp_path, monkeypa
     for other in ({"count": 4, "max_prompt": 64}, {"count": 3, "max_prompt": 32}):  # a choice it does not hold
         with pytest.raises(pytest.fail.Exception):
             distill.chosen_prompts(tokenizer, path, model="smollm2-135m", **other)
+
+    # A damaged choice is one line of error, not numpy's traceback.
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(UserError, match="is not a saved prompt choice .*; delete it to choose again"):
+        distill.chosen_prompts(tokenizer, path, model="smollm2-135m", count=3, max_prompt=64)
 
 
 def test_committed_prompts_are_the_prompts_of_the_committed_parts():

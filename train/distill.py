@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import zipfile
 
 import numpy as np
 
@@ -45,9 +46,12 @@ def chosen_prompts(tokenizer, path: str, *, model: str, count: int, max_prompt: 
     from s3djax import tokenizer as tk
 
     if os.path.exists(path):
-        with np.load(path) as f:
-            if str(f["model"]) == model and int(f["max_prompt"]) == max_prompt and len(f["ids"]) >= count:
-                return saved_prompts(f, count)
+        try:
+            with np.load(path) as f:
+                if str(f["model"]) == model and int(f["max_prompt"]) == max_prompt and len(f["ids"]) >= count:
+                    return saved_prompts(f, count)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            raise UserError(f"{path} is not a saved prompt choice ({e}); delete it to choose again") from None
     items = []
     for cid, text in first_prompts(read_records(sharegpt_path())[0]):
         ids = tk.encode_prompt(tokenizer, text, chat_template=True)
