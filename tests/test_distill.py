@@ -67,3 +67,19 @@ def test_committed_prompts_are_the_prompts_of_the_committed_parts():
         for row, (_, ids) in zip(tokens, part):
             assert row[:len(ids)].tolist() == ids
         assert held_out.tolist() == [is_held_out(c, manifest["eval_fraction"]) for c, _ in part]
+
+
+def test_a_larger_prompt_count_refills_the_short_last_part(tmp_path, monkeypatch):
+    from train import distill
+
+    texts = ["Hi there", "What is 2 + 2?", "Name a colour", "Tell me a joke"]
+    monkeypatch.setattr(distill, "sharegpt_path", lambda: "ShareGPT.json")
+    monkeypatch.setattr(distill, "read_records", lambda path: (_records(texts), False))
+    run = lambda n: distill.distill("smollm2-135m", str(tmp_path), prompts=n, new_tokens=2, max_prompt=64,  # noqa: E731
+                                    batch_size=2, part_rows=2, eval_fraction=0.0, sort="part")
+    assert run(3)["prompts"] == 3 and distill.part_size(str(tmp_path / "part-00001.npz")) == 1
+    first = os.path.getmtime(tmp_path / "part-00000.npz")
+    manifest = run(4)
+    assert distill.part_size(str(tmp_path / "part-00001.npz")) == 2  # answered again, whole
+    assert os.path.getmtime(tmp_path / "part-00000.npz") == first    # a whole part is kept
+    assert manifest["splits"]["train"]["rows"] == 4

@@ -128,7 +128,7 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
     t0, done = time.perf_counter(), 0
     for part, chunk in enumerate(parts(items, part_rows, sort)):
         path = os.path.join(out, f"part-{part:05d}.npz")
-        if not os.path.exists(path):
+        if not os.path.exists(path) or part_size(path) != len(chunk):  # a short last part of a smaller --prompts
             tokens = np.full((len(chunk), max_len), pad_id, np.int32)
             masks = np.zeros((len(chunk), max_len), np.uint8)
             lengths = np.zeros(len(chunk), np.int32)
@@ -156,6 +156,11 @@ def distill(model: str, out: str, *, prompts: int, new_tokens: int, max_prompt: 
         print(f"part {part}: {done}/{len(items)} prompts, {manifest['splits']['train']['loss_tokens']} answer tokens, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return manifest
+
+
+def part_size(path: str) -> int:
+    with np.load(path) as f:
+        return len(f["lengths"])
 
 
 def write_manifest(out: str, rows: dict, **meta) -> dict:
