@@ -275,9 +275,9 @@ def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2)
     built = methods.build("kangaroo", smollm2, max_cache_len=128)
     drafter = built.decoder.drafter
     # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md, kangaroo-exit-cpu-2026-11-23.md and
-    # spine-width-cpu-2026-11-24.md measured these fastest.
-    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 1, 4)
-    assert "eta 0.0, max draft 1, tree top4" in built.draft
+    # kangaroo-tree-10k-adapter-cpu-2026-11-26.md measured these fastest.
+    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 1, 2)
+    assert "eta 0.0, max draft 1, tree top2" in built.draft
     drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3, tree="chain").decoder.drafter
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.5, 3, 1)  # the flags override the file
     # A file that records no tree drafts the chain (the S2D draft records none).
