@@ -69,9 +69,11 @@ def main():
     full_head = {k: v for k, v in draft.items() if k not in ("head", "vocab")}
     engine = Runner(built.decoder, built.params)
 
+    # The row's context once, then its anchors chunk by chunk.
+    row_context = jax.jit(lambda tokens: forward_sequence(params, tokens, config=m.config)[1])
+
     @jax.jit
-    def correct(tokens, anchors):
-        _, context = forward_sequence(params, tokens, config=m.config)
+    def correct(tokens, context, anchors):
         logits = block_logits(params, full_head, context, tokens, anchors, config=m.config, plan=plan, gamma=gamma)
         at = jnp.minimum(anchors[:, :, None] + jnp.arange(1, gamma + 1), tokens.shape[1] - 1)
         return jnp.argmax(logits, -1) == jnp.take_along_axis(tokens, at.reshape(1, -1), 1).reshape(at.shape)
@@ -86,7 +88,8 @@ def main():
         anchors = np.arange(start, end)
         padded = np.concatenate([anchors, np.full(-len(anchors) % CHUNK, anchors[-1])])
         tokens = jnp.asarray(held_out.tokens[r:r + 1])
-        c = np.concatenate([np.asarray(correct(tokens, jnp.asarray(padded[None, i:i + CHUNK])))[0]
+        context = row_context(tokens)
+        c = np.concatenate([np.asarray(correct(tokens, context, jnp.asarray(padded[None, i:i + CHUNK])))[0]
                             for i in range(0, len(padded), CHUNK)])[:len(anchors)]
         early.append(c[:args.tokens - 1])
         late.append(c[args.tokens - 1:])
