@@ -5,7 +5,7 @@ of g drafts, a step costs draft(g) + verify(g + 1) and commits tau tokens, so re
 method's draft and verify steps are timed at each chain length g with its shipped draft, drafting all g
 tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first, cheapest exit).
 
-    python -m benchmarks.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--cache-len 2048] [--repeats 10]
+    python -m benchmarks.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--max-cache-len 2048] [--repeats 10]
         [--paths kernel,xla]
 
 On the CPU, `--paths` times the native decode matmul (`cpu_kernels`, packed weights) and XLA's dot in
@@ -45,7 +45,7 @@ def chain_options(method: str, g: int) -> dict:
 
 def main():
     p = Parser(prog="python -m benchmarks.forward_cost", description=__doc__.splitlines()[0])
-    p.add_argument("--cache-len", type=int, default=2048)
+    p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--methods", default=list(GOALS), type=method_list,
@@ -76,7 +76,7 @@ def main():
         for method in args.methods or ["ar"]:
             for g in args.gammas if args.methods else [1]:
                 options = chain_options(method, g) if method != "ar" else {}
-                built = methods.build(method, m, max_cache_len=args.cache_len, dtype=args.dtype, **options)
+                built = methods.build(method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, **options)
                 about.setdefault(method, built.draft)
                 state = Runner(built.decoder, built.params).prefill(prompt)
                 if (path, 1) not in ms:
@@ -91,7 +91,7 @@ def main():
     first = args.paths[0]
     lines = [f"# Forward cost over T new tokens, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
-             f"- cache length {args.cache_len}, {args.context} committed tokens; causal attention and the full "
+             f"- cache length {args.max_cache_len}, {args.context} committed tokens; causal attention and the full "
              f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, median of 3",
              f"- matmul paths: {', '.join(PATHS[p] for p in args.paths)}", "",
              "| T new tokens | " + " | ".join(f"{p} ms | {p} vs its T = 1" for p in args.paths)

@@ -53,7 +53,7 @@ def pieces(args, run_dir: str) -> list[Piece]:
     pytest = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
     tests = {"lowering": ["tests/test_gpu_lowering.py"], "kernels": ["tests/test_tree_attention.py", "tests/test_int8_matmul.py"]}
     quick = ["--quick", "--repeats", "2"] if args.tiny else []
-    short = ["--context", "48", "--cache-len", "128"] if args.tiny else []
+    short = ["--context", "48", "--max-cache-len", "128"] if args.tiny else []
     out = [Piece(name, pytest + tuple(files) + ("--junitxml", os.path.join(at(name), "junit.xml"))
                  + (("-k", TINY_TESTS[name]) if args.tiny else ()), ("pytest",) + (("gpu",) if name == "kernels" else ()))
            for name, files in tests.items()]

@@ -5,7 +5,7 @@ attention as much as by weights; and the Llama-2-7B shape with random weights, w
 is bound by reading the weights. For each: median step time, achieved weight bandwidth against a
 measured device copy, parameter bytes and device memory in use.
 
-    python -m benchmarks.int8_decode [--quick] [--context 512] [--cache-len 1024]
+    python -m benchmarks.int8_decode [--quick] [--context 512] [--max-cache-len 1024]
 
 On CPU (`--quick`), the 7B shape is replaced by a 1/16-width, 2-layer stand-in and the Pallas kernel runs
 in interpret mode: the table then checks the script, not the speed.
@@ -27,7 +27,7 @@ def main():
     p.add_argument("--model", default="smollm2-135m", help="the small regime's model: registry name, .gguf or folder")
     p.add_argument("--checkpoint", help="its file, where the registry's package is not installed")
     p.add_argument("--context", type=int, default=512, help="committed tokens in the cache")
-    p.add_argument("--cache-len", type=int, default=1024)
+    p.add_argument("--max-cache-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
@@ -73,7 +73,7 @@ def main():
             params = make()
             if how:
                 params = quant.apply(params, how[0], bf16, how[1])
-            cache = kv.init_cache(config, 1, args.cache_len, bf16)
+            cache = kv.init_cache(config, 1, args.max_cache_len, bf16)
             length = jnp.full((1,), args.context, jnp.int32)
             print(f"{regime}: {name}...", file=sys.stderr, flush=True)
             ms = step_ms(config, params, cache, length)
@@ -94,7 +94,7 @@ def main():
         f"- date: {datetime.date.today().isoformat()}",
         f"- measured copy bandwidth: {copy_bw / 1e9:.1f} GB/s; process peak device memory: "
         f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}",
-        f"- one token per step over a {args.cache_len}-slot bf16 cache holding {args.context} tokens; activations "
+        f"- one token per step over a {args.max_cache_len}-slot bf16 cache holding {args.context} tokens; activations "
         f"bf16; each step run {args.repeats} times in a loop carrying the cache in place, median of 3 such runs",
         "- weight GB/s: the bytes of weights a step reads (layers and LM head) per step time; the KV cache read is "
         "extra",

@@ -24,7 +24,7 @@ def main():
     p.add_argument("--dataset", default="mt-bench")
     p.add_argument("--quick", action="store_true", help="a 1/16-width, 2-layer Llama-2-7B stand-in: a CPU check of the script")
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--cache-len", type=int, default=1024)
+    p.add_argument("--max-cache-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
@@ -67,7 +67,7 @@ def main():
             if weights == "int8":
                 params = quant.apply(params, "int8", jnp.bfloat16)
             draft = init_draft(params, config, plan)
-            decoder = SpecDecoder.create(ARDecoder(config, args.cache_len, eos_ids=(), cache_dtype="bfloat16"),
+            decoder = SpecDecoder.create(ARDecoder(config, args.max_cache_len, eos_ids=(), cache_dtype="bfloat16"),
                                          S3DDrafter(config, plan, TreeSpec.chain(gamma), gamma))
             state = Runner(decoder, (params, draft)).prefill(list(range(1, args.context + 1)))
             ms = step_times(decoder, (params, draft), state, repeats=args.repeats)
@@ -82,7 +82,7 @@ def main():
         "",
         f"- device: {device.describe()}",
         f"- date: {datetime.date.today().isoformat()}",
-        f"- step times: random bf16 weights (int8: quantized per channel), a {args.cache_len}-slot bf16 cache holding "
+        f"- step times: random bf16 weights (int8: quantized per channel), a {args.max_cache_len}-slot bf16 cache holding "
         f"{args.context} tokens, S3D skip plan: the middle L/2 - 1 layers, chain of gamma {gamma}; median of 3 runs of "
         f"{args.repeats} steps",
         f"- acceptance: tau {s3d['tau']:.2f} measured with SmolLM2's shipped draft on {s3d['prompts']} {args.dataset} "

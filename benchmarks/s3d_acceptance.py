@@ -28,7 +28,7 @@ def main():
     p.add_argument("--dataset", choices=tuple(DATASETS), default="mt-bench")
     p.add_argument("--prompts", type=int, default=16, help="the first N prompts (MT-Bench: first turns)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--cache-len", type=int, default=512)
+    p.add_argument("--max-cache-len", type=int, default=512)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--tree", action="append", help="tree shapes to run (repeatable; default chain and tree-16)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -46,7 +46,7 @@ def main():
 
     m = load_model("smollm2-135m", dtype=args.dtype)
     prompts = [q["ids"] for q in bench_data.prompts(args.dataset, m.tokenizer, args.prompts)]
-    build = dict(max_cache_len=args.cache_len, dtype=args.dtype, gamma=args.gamma)
+    build = dict(max_cache_len=args.max_cache_len, dtype=args.dtype, gamma=args.gamma)
     ar = methods.build("ar", m, **build)
     runs = {"ar": Runner(ar.decoder, ar.params)}
     drafts = {}
@@ -72,7 +72,7 @@ def main():
     lines = [f"# S3D acceptance on {title}, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- {what} 1-{len(prompts)}, chat template, greedy, up to "
-             f"{args.max_new_tokens} new tokens, cache {args.cache_len}, gamma {args.gamma}",
+             f"{args.max_new_tokens} new tokens, cache {args.max_cache_len}, gamma {args.gamma}",
              *[f"- {label}: {about}" for label, about in drafts.items()],
              "- tau: tokens emitted per verify step (bonus included); alpha_k: P(depth k accepted | k-1 was)", "",
              "| method | tokens identical to AR | tau | alpha_1..alpha_gamma | tokens/s | vs AR |",
