@@ -129,6 +129,39 @@ def test_patience_stops_when_held_out_agreement_stops_improving_and_exports_the_
     assert load_draft(result["path"], TINY, np.float32)[1]["steps"] == best["step"]
 
 
+def test_held_out_agreement_can_count_each_answers_first_tokens_alone(data, tmp_path):
+    from train.loop import Trainer
+    from train.s3d import S3DTask
+    from train.shards import Shards
+
+    m, rows = tiny_model(), Shards(data, "eval").rows(np.arange(8))
+
+    def depth_counts(**settings):
+        cfg = tiny_config(data, str(tmp_path), anchor_fraction=1.0, **settings)  # every valid position anchors
+        task = S3DTask.create(m, cfg, rows["tokens"].shape[1])
+        trainable = task.init_trainable(m, cfg, jax.random.key(0))
+        return list(np.asarray(Trainer(cfg, task).eval_step(trainable, m.params, rows, 0)["depth_count"]))
+
+    def expected(n=None):
+        """Pairs (anchor i, depth k) whose targets i + 1 and i + k are trained, or among the first n tokens of
+        an answer that starts inside the row (one that begins it may go on from the row before), by hand."""
+        counts = [0, 0, 0]
+        for mask, length in zip(rows["loss_mask"], rows["lengths"]):
+            kept, run = [], None  # run: the answer's tokens so far, None in one the row began inside
+            for trained in mask:
+                run = 0 if not trained else (None if run is None else run + 1)
+                kept.append(bool(trained) and (n is None or (run is not None and run <= n)))
+            for i in range(1, length - 1):
+                for k in range(1, 4):
+                    counts[k - 1] += kept[i + 1] and i + k < length and kept[i + k]
+        return counts
+
+    starts = int(np.sum(np.diff(rows["loss_mask"].astype(int), axis=1) == 1))
+    assert starts > 1 and rows["loss_mask"][:, 0].any()  # answers starting inside rows, and rows going on from one
+    assert depth_counts(eval_answer_tokens=3) == expected(3) == [3 * starts, 2 * starts, starts]
+    assert depth_counts() == expected() and expected()[0] > 3 * starts
+
+
 def test_the_train_step_compiles_once(data, tmp_path, compiles):
     seen, before = {}, compiles()
     train(tiny_config(data, str(tmp_path), steps=9, eval_every=100, save_every=100), loaded=tiny_model(),
@@ -164,10 +197,20 @@ train(tiny_config({data!r}, {run!r}), loaded=tiny_model(), progress=False, on_st
 
 def test_a_changed_setting_refuses_to_resume(data, tmp_path):
     from s3djax.errors import UserError
+    from train.loop import check_resumable
 
     train(tiny_config(data, str(tmp_path), steps=1), loaded=tiny_model(), progress=False)
     with pytest.raises(UserError, match=r"different settings \(lr\)"):
         train(tiny_config(data, str(tmp_path), steps=1, lr=1.0), loaded=tiny_model(), progress=False)
+    # A run saved before a setting existed had its default; the default resumes, another value does not.
+    with open(tmp_path / "config.json") as f:
+        saved = json.load(f)
+    del saved["eval_answer_tokens"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    check_resumable(tiny_config(data, str(tmp_path), steps=1), str(tmp_path))
+    with pytest.raises(UserError, match=r"different settings \(eval_answer_tokens\)"):
+        check_resumable(tiny_config(data, str(tmp_path), steps=1, eval_answer_tokens=128), str(tmp_path))
 
 
 def test_four_devices_give_the_same_training_as_one(data, tmp_path):

@@ -48,6 +48,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 200
     eval_batches: int = 4
+    eval_answer_tokens: int = 0      # held-out agreement over each answer's first N tokens, what a benchmark decodes (0: all)
     save_every: int = 200
     keep: int = 3
     fsdp: bool = False
@@ -65,6 +66,7 @@ class TrainConfig:
                        self.save_every, self.keep) >= 1 and min(self.patience, self.stop_after_s) >= 0,
                    "batch_size, grad_accum, steps and the intervals must be at least 1, patience and stop_after_s "
                    "at least 0"),
+                  (self.eval_answer_tokens >= 0, "eval_answer_tokens must not be negative"),
                   (self.lr > 0 and min(self.lora_rank, self.correction_rank, self.warmup_steps) >= 0,
                    "lr, lora_rank, correction_rank and warmup_steps must not be negative"),
                   (not self.freeze_draft or (self.correction_rank and self.init_from and self.mode == "lossless"),

@@ -71,7 +71,20 @@ class Trainer:
     @functools.partial(jax.jit, static_argnums=0)
     def eval_step(self, trainable, frozen, batch, index):
         key = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), index)  # fixed anchors: comparable evals
+        if self.cfg.eval_answer_tokens:
+            # Long greedy answers end in loops that are easy to predict, which a whole answer's agreement
+            # counts and a 128-token benchmark never reaches.
+            batch = dict(batch, loss_mask=first_answer_tokens(batch["loss_mask"], self.cfg.eval_answer_tokens))
         return self.loss(trainable, frozen, batch, key)[1]
+
+
+def first_answer_tokens(loss_mask, n: int):
+    """loss_mask [B, T] kept on the first n tokens of each answer, a run of trained tokens. A packed row may
+    hold several, and a run that begins the row may go on from the row before it, so it is left out."""
+    t = loss_mask.shape[1]
+    pos = jnp.arange(t)[None]
+    last_untrained = jax.lax.cummax(jnp.where(loss_mask > 0, -t - n, pos), axis=1)
+    return loss_mask * (pos - last_untrained <= n).astype(loss_mask.dtype)
 
 
 def summarize(sums: dict) -> dict:
@@ -121,7 +134,9 @@ def check_resumable(cfg: TrainConfig, out: str) -> None:
     if os.path.exists(path):
         with open(path) as f:
             before = json.load(f)
-        changed = sorted(k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and before.get(k) != v)
+        # A setting added since that run was saved had its default then.
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        changed = sorted(k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and before.get(k, defaults[k]) != v)
         if changed:
             raise UserError(f"{out} holds a run with different settings ({', '.join(changed)}); "
                             "rerun with the same config to resume, or choose another out")
