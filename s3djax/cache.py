@@ -23,6 +23,7 @@ def cache_len(cache) -> int:
     return cache[0]["k"].shape[1]
 
 
+@jax.jit  # traced once per shape, not once per layer (as `quant.dot`)
 def put_rows(buf, new, starts):
     """Write new [B, T, ...] into buf [B, S, ...] from each row's own start (starts: [B]), in buf's dtype."""
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0))(

@@ -87,9 +87,14 @@ def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False)
             from cpu_kernels.attention import MAX_HEAD
 
             if d <= MAX_HEAD:
-                return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
+                return _kernel_attend(q, k, v, mask)
         return _xla_prefix_attend(q, k, v, mask)
     return _xla_attend(q, k, v, mask)
+
+
+@jax.jit  # traced once per shape, not once per layer (as `quant.dot`); XLA inlines the calls
+def _kernel_attend(q, k, v, mask: PrefixTreeMask):
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
 
 
 def _cpu_attend(q, k, v, mask: PrefixTreeMask):

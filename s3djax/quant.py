@@ -206,8 +206,15 @@ def dot(h, w, cpu_kernel: bool = False):
     lowered for any other platform, the code is XLA's as without it.
     """
     if _use_cpu_kernel(cpu_kernel or isinstance(w, Packed), h):
-        return jax.lax.platform_dependent(h, w, cpu=functools.partial(_cpu_kernel, layout="kn"), default=_xla_dot)
+        return _kernel_dot(h, w)
     return _xla_dot(h, w)
+
+
+# Jitted so that a model's many products of one shape are traced once, not once per layer: tracing both
+# branches of every product was half of tracing a SmolLM2 decode loop. XLA inlines the calls.
+@jax.jit
+def _kernel_dot(h, w):
+    return jax.lax.platform_dependent(h, w, cpu=functools.partial(_cpu_kernel, layout="kn"), default=_xla_dot)
 
 
 def _xla_dot(h, w):
@@ -243,9 +250,14 @@ def rows(table_, ids):
 def head(hidden, table_, cpu_kernel: bool = False):
     """fp32 logits hidden [..., D] x table [V, D]^T (the tied or untied LM head); `cpu_kernel` as for `dot`."""
     if _use_cpu_kernel(cpu_kernel or isinstance(table_, Packed), hidden):
-        return jax.lax.platform_dependent(hidden, table_, cpu=functools.partial(_cpu_kernel, layout="nk", out=jnp.float32),
-                                          default=_xla_head)
+        return _kernel_head(hidden, table_)
     return _xla_head(hidden, table_)
+
+
+@jax.jit  # as `_kernel_dot`
+def _kernel_head(hidden, table_):
+    return jax.lax.platform_dependent(hidden, table_, cpu=functools.partial(_cpu_kernel, layout="nk", out=jnp.float32),
+                                      default=_xla_head)
 
 
 def _xla_head(hidden, table_):
