@@ -63,11 +63,16 @@ class Decoder(nn.Module):
         rope = rope_tables(positions, jnp.asarray(self.config.rope_inv_freq()))
         lora = lora or [None] * self.config.num_layers
         new_cache = list(cache)
+        static = isinstance(plan, SkipPlan) and not self.is_initializing()
         for i, block in enumerate(self.layers):
             if isinstance(plan, SkipPlan) and not (plan.attn[i] or plan.mlp[i]):
                 continue
-            x, new_cache[i] = block(x, cache[i], rope=rope, slots=slots, mask=mask, lora=lora[i],
-                                    run_attn=plan.attn[i], run_mlp=plan.mlp[i])
+            if static:
+                x, new_cache[i] = _block(self.variables["params"][f"layers_{i}"], x, cache[i], rope, slots, mask, lora[i],
+                                         config=self.config, run_attn=plan.attn[i], run_mlp=plan.mlp[i])
+            else:
+                x, new_cache[i] = block(x, cache[i], rope=rope, slots=slots, mask=mask, lora=lora[i],
+                                        run_attn=plan.attn[i], run_mlp=plan.mlp[i])
         return x, new_cache
 
     def embed_tokens(self, tokens):
@@ -83,6 +88,15 @@ class Decoder(nn.Module):
         if head is None:
             head = self.embed if self.config.tie_word_embeddings else self.lm_head
         return quant.head(hidden, head, self.config.cpu_kernel)
+
+
+# Jitted so that a stack's layers of one shape are traced and lowered once, not once per layer: the
+# program XLA compiles is the same (it inlines the calls), but tracing SmolLM2's 30 layers one by one was
+# most of the time a decode loop took to build.
+@functools.partial(jax.jit, static_argnames=("config", "run_attn", "run_mlp"))
+def _block(params, x, layer_cache, rope, slots, mask, lora, *, config: ModelConfig, run_attn: bool, run_mlp: bool):
+    return Block(config, parent=None).apply({"params": params}, x, layer_cache, rope=rope, slots=slots, mask=mask, lora=lora,
+                               run_attn=run_attn, run_mlp=run_mlp)
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:
