@@ -95,8 +95,8 @@ class Decoder(nn.Module):
 # most of the time a decode loop took to build.
 @functools.partial(jax.jit, static_argnames=("config", "run_attn", "run_mlp"))
 def _block(params, x, layer_cache, rope, slots, mask, lora, *, config: ModelConfig, run_attn: bool, run_mlp: bool):
-    return Block(config, parent=None).apply({"params": params}, x, layer_cache, rope=rope, slots=slots, mask=mask, lora=lora,
-                               run_attn=run_attn, run_mlp=run_mlp)
+    return Block(config, parent=None).apply({"params": params}, x, layer_cache, rope=rope, slots=slots, mask=mask,
+                                            lora=lora, run_attn=run_attn, run_mlp=run_mlp)
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:
