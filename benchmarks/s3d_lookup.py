@@ -1,8 +1,9 @@
-"""S3D's settings against `ar`: every draft file x gamma x --lookup switch given, interleaved prompt by prompt
+"""S3D's settings against `ar`: every draft file x gamma x --lookup switch x draft weights given, interleaved prompt by prompt
 in one process, so that a shared machine's drift falls on every variant alike.
 
     python -m benchmarks.s3d_lookup --lookup 0,1,2,3 --dataset mt-bench,humaneval --limit mt-bench=12,humaneval=6
     python -m benchmarks.s3d_lookup --draft shipped,runs/x/draft.npz --gamma 2,4 --lookup 0,1
+    python -m benchmarks.s3d_lookup --draft-weights none,int8 --gamma 2,3,4 --lookup 1
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main():
     p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: s3d alone)")
     p.add_argument("--gamma", default="", help="comma-separated depths (default: the platform's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")
+    p.add_argument("--draft-weights", default="", help="comma-separated: none, int8 (default: the platform's)")
     p.add_argument("--dataset", default="mt-bench,humaneval", help="comma-separated: mt-bench, humaneval")
     p.add_argument("--limit", default="mt-bench=12,humaneval=6", help="prompts per dataset, as infer.benchmark's")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -45,9 +47,11 @@ def main():
     drafts = args.draft.split(",")
     gammas = [int(g) for g in args.gamma.split(",")] if args.gamma else [methods.default_gamma(None)]
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
-    for d, g, k in itertools.product(drafts, gammas, map(int, args.lookup.split(","))):
-        name = (f"{d}, " if len(drafts) > 1 else "") + (f"gamma {g}, " if len(gammas) > 1 else "") + f"lookup {k}"
-        variants[f"s3d, {name}"] = methods.build("s3d", m, max_cache_len=2048, gamma=g, lookup=k,
+    weights = args.draft_weights.split(",") if args.draft_weights else [None]
+    for d, g, k, w in itertools.product(drafts, gammas, map(int, args.lookup.split(",")), weights):
+        name = (f"{d}, " if len(drafts) > 1 else "") + (f"gamma {g}, " if len(gammas) > 1 else "") + f"lookup {k}" \
+            + (f", weights {w}" if len(weights) > 1 else "")
+        variants[f"s3d, {name}"] = methods.build("s3d", m, max_cache_len=2048, gamma=g, lookup=k, draft_weights=w,
                                                  draft_path=None if d == "shipped" else d)
         depth[f"s3d, {name}"] = g
     runners = {name: Runner(b.decoder, b.params) for name, b in variants.items()}

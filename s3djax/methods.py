@@ -65,6 +65,7 @@ class Options:
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
     lookup: int | None = None       # s3d: switch a step's chain to lookup's where N+ tokens match (0: never)
+    draft_weights: str | None = None  # s3d, self-spec: "int8" copies of the layers the draft runs (None: measured fastest)
 
 
 def options(args, method: str) -> dict:
@@ -82,7 +83,7 @@ def options(args, method: str) -> dict:
         draft = pairs.get(method)
     return dict(skip=args.skip, gamma=args.gamma, tree=args.tree, draft_path=draft, max_draft=args.max_draft,
                 exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from,
-                ngram=args.ngram, lookup=args.lookup)
+                ngram=args.ngram, lookup=args.lookup, draft_weights=args.draft_weights)
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
@@ -100,6 +101,10 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     opts = Options(**options)
     if opts.max_draft is not None and opts.max_draft < 1:
         raise UserError(f"--max-draft must be at least 1, got {opts.max_draft}")
+    if opts.draft_weights is not None:
+        from s3djax.speculative.draft_weights import check_mode
+
+        check_mode(opts.draft_weights)
     ar = ARDecoder(m.config, max_cache_len, eos_ids=m.eos_ids, pad_id=m.tokenizer.pad_token_id or 0,
                    sampling=sampling, cache_dtype=dtype)
     if opts.draft_path is None and method != "ar":
@@ -140,7 +145,7 @@ def _ar(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
 
 
 def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.speculative import draft_vocab
+    from s3djax.speculative import draft_vocab, draft_weights
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
     from s3djax.speculative.drafters.lookup import WithLookup
@@ -164,7 +169,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    draft = draft_vocab.attach(draft, meta, params)
+    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, plan, _draft_weights(opts), DTYPES[dtype])
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
         draft = {k: v for k, v in draft.items() if k != "correction"}
@@ -182,11 +187,12 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
                  + (f", lookup where {switch}+ tokens match" if switch else "") + draft_vocab.about(meta)
+                 + draft_weights.about(draft)
                  + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
-    from s3djax.speculative import draft_vocab
+    from s3djax.speculative import draft_vocab, draft_weights
     from s3djax.speculative.drafters.chain import about_spine, spine
     from s3djax.speculative.drafters.self_spec import SelfSpecDrafter, load_plan
     from s3djax.speculative.loop import SpecDecoder
@@ -203,8 +209,17 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     # paper's chain of 12.
     tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
-    return Built(SpecDecoder.create(ar, drafter), (m.params, draft_vocab.attach({}, meta, m.params)), warnings,
-                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta))
+    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, plan, _draft_weights(opts),
+                                 DTYPES[dtype])
+    return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
+                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
+                 + draft_weights.about(draft))
+
+
+def _draft_weights(opts: Options) -> str:
+    from s3djax.speculative import draft_weights
+
+    return draft_weights.default_mode() if opts.draft_weights is None else opts.draft_weights
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -60,6 +60,7 @@ PROMPT = ["--prompt", "hello there, how are you today?"]
     (["--method", "lookup", "--draft", "configs/drafts/smollm2-135m-s3d.npz"], "with no draft file"),
     (["--method", "lookup", "--max-draft", "0"], "--max-draft must be at least 1"),
     (["--method", "s3d", "--lookup", "-1"], "--lookup must be 0 (never) or more"),
+    (["--method", "s3d", "--draft-weights", "int4"], "unknown draft weights 'int4'"),
     (["--method", "s3d", "--lookup", "2", "--tree", "top2"], "s3d's tree must be the chain, not top2"),
     (["--method", "kangaroo", "--eta", "3"], "--eta must be in [0, 1]"),
     (["--method", "kangaroo", "--exit-layer", "5"], "not --exit-layer 5"),

@@ -252,6 +252,47 @@ def test_smollm2_s3d_equals_ar(smollm2):
         assert got.stats["verify_steps"] * (gamma + 1) >= len(got.tokens) - 1 > 4
 
 
+def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
+    from s3djax import quant
+    from s3djax.speculative import draft_weights
+
+    params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
+    ids = jnp.arange(0, LLAMA.vocab_size, 3, dtype=jnp.int32)
+    draft = {**perturbed_draft(params, LLAMA, plan, 5), "vocab": ids, "head": params["lm_head"][ids]}
+    draft8 = draft_weights.attach(draft, params, plan, "int8", jnp.float32)
+    kept = [i for i in range(LLAMA.num_layers) if i != 1]
+    assert sorted(draft8["weights"]) == [f"layers_{i}" for i in kept] and quant.is_int8(draft8["head"])
+    assert draft_weights.attach(draft, params, plan, "none", jnp.float32) is draft
+
+    ar = ARDecoder(LLAMA, CACHE, eos_ids=())
+    state = ar.start(params, jnp.asarray([list(range(40, 55))]), jnp.asarray([15]), jax.random.key(0))
+    drafter = S3DDrafter(LLAMA, plan, TreeSpec.chain(3), 3)
+    logits = lambda p, d: drafter.block_logits(p, d, state["cache"], state["length"], state["last"])[0]
+    # The draft reads exactly the int8 copies: the same logits as a float draft over their dequantized values.
+    rounded = {**params, **quant.dequantize_tree(draft8["weights"])}
+    got = logits(params, draft8)
+    np.testing.assert_allclose(got, logits(rounded, {**draft, "head": quant.dequantize(draft8["head"])}),
+                               rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, logits(params, draft), rtol=1e-5, atol=1e-5)
+    for prompt in ([5], list(range(40, 55))):
+        spec = spec_runner(LLAMA, params, draft8, plan, TreeSpec.chain(3), 3)
+        assert spec.generate(prompt, 40).tokens == ar_runner(LLAMA, params).generate(prompt, 40).tokens
+
+
+def test_the_cpu_drafts_s3d_and_self_spec_with_int8_weights(smollm2):
+    from s3djax import methods, quant
+
+    for method in ("s3d", "self-spec"):
+        built = methods.build(method, smollm2, max_cache_len=128)
+        target, draft = built.params
+        plan = built.decoder.drafter.plan
+        assert "draft weights int8" in built.draft and quant.mode_of(target) == "none"
+        assert sorted(draft["weights"]) == sorted(f"layers_{i}" for i in range(30) if plan.attn[i] or plan.mlp[i])
+        weights = [w for w in jax.tree.leaves(draft["weights"], is_leaf=quant.is_weight) if quant.is_weight(w)]
+        assert len(weights) == 7 * len(draft["weights"]) and all(quant.is_int8(w) for w in weights)
+        assert "weights" not in methods.build(method, smollm2, max_cache_len=128, draft_weights="none").params[1]
+
+
 def test_profiling_mode_times_each_step_apart():
     from s3djax.speculative.profile import step_times
 

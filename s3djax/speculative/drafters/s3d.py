@@ -2,7 +2,8 @@
 
 Its tree may be static, or dynamic (`DynamicTree`): the best paths by the draft's joint
 probabilities, chosen every step. A draft with its own vocabulary (`s3djax.speculative.draft_vocab`)
-drafts over those tokens only. A draft with a previous-token correction
+drafts over those tokens only, and one with int8 weights (`s3djax.speculative.draft_weights`) reads
+them. A draft with a previous-token correction
 (`s3djax.speculative.correction`) drafts a static tree depth by depth, each node's children
 conditioned on its token.
 """
@@ -21,7 +22,7 @@ from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.sampling import Sampling, process_logits, top_k
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import draft_vocab
+from s3djax.speculative import draft_vocab, draft_weights
 from s3djax.speculative.correction import CANDIDATES, delta
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import DynamicTree, TreeSpec
@@ -42,7 +43,7 @@ class S3DDrafter(Drafter):
         (slots < length) and itself causally, at every layer the plan keeps.
         """
         b = last.shape[0]
-        decoder, variables = Decoder(self.config, self.plan), {"params": params}
+        decoder, variables = Decoder(self.config, self.plan), {"params": draft_weights.of(params, draft)}
         first = decoder.apply(variables, last, method="embed_tokens")[:, None]
         masks = jnp.broadcast_to(draft["mask_embed"].astype(first.dtype), (b, self.gamma - 1, first.shape[-1]))
         positions = length[:, None] + jnp.arange(self.gamma, dtype=jnp.int32)[None]

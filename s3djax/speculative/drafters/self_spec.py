@@ -18,6 +18,7 @@ from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.errors import UserError
 from s3djax.skip_plan import DynamicPlan, SkipPlan
+from s3djax.speculative import draft_weights
 from s3djax.speculative.drafters.chain import ChainDrafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -54,8 +55,9 @@ class AdaptiveThreshold:
 
 @dataclasses.dataclass(frozen=True)
 class SelfSpecDrafter(ChainDrafter):
-    """Draft params: {} (the plan is static), {"attn", "mlp"} flags (the search's traced plan), or a draft
-    vocabulary's {"vocab", "head"} (the plan file's "vocab", `train.draft_vocab`)."""
+    """Draft params: {} (the plan is static), {"attn", "mlp"} flags (the search's traced plan), a draft
+    vocabulary's {"vocab", "head"} (the plan file's "vocab", `train.draft_vocab`), and int8 "weights"
+    (`s3djax.speculative.draft_weights`)."""
     config: ModelConfig
     plan: SkipPlan | None  # None: the plan is traced, from the draft params {"attn", "mlp"} (the search)
     tree: TreeSpec
@@ -66,7 +68,7 @@ class SelfSpecDrafter(ChainDrafter):
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
         dynamic = None if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])
-        decoder, variables = Decoder(self.config, self.plan), {"params": params}
+        decoder, variables = Decoder(self.config, self.plan), {"params": draft_weights.of(params, draft)}
         hidden, cache = decoder.apply(variables, tokens, positions, cache, slot, mask, dynamic=dynamic)
         return decoder.apply(variables, hidden[:, 0], draft.get("head"), method="logits"), cache, state
 
