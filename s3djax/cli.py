@@ -64,10 +64,10 @@ class Parser(argparse.ArgumentParser):
                           "prompt and output (down to 1; default 3)")
         self.add_argument("--lookup", type=int, help="s3d: draft a step's chain by prompt lookup instead, wherever "
                           "the last N or more tokens occurred before (0: never)")
-        self.add_argument("--draft-weights", help="s3d and self-spec: the weights their draft reads, none (the "
-                          "target's) or int8 (int8 copies of the layers it runs; verification keeps the target's, "
-                          "so the output is the same); default: the platform's measured fastest, int8 on a CPU, "
-                          "else none")
+        self.add_argument("--draft-weights", help="s3d, self-spec and kangaroo: the weights their draft reads, none "
+                          "(the target's) or int8 (int8 copies of the layers it runs alone, its head rows and "
+                          "adapter; verification keeps the target's, so the output is the same); default: the "
+                          "platform's measured fastest, int8 on a CPU, else none")
 
     def check(self, args, **valid):
         """`--flag-name: invalid value` for each flag_name=False. Sampling and method options are the

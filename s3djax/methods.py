@@ -65,7 +65,7 @@ class Options:
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
     lookup: int | None = None       # s3d: switch a step's chain to lookup's where N+ tokens match (0: never)
-    draft_weights: str | None = None  # s3d, self-spec: "int8" copies of the layers the draft runs (None: measured fastest)
+    draft_weights: str | None = None  # s3d, self-spec, kangaroo: the draft's own weights in int8 (None: measured fastest)
 
 
 def options(args, method: str) -> dict:
@@ -169,7 +169,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, plan, _draft_weights(opts), DTYPES[dtype])
+    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, plan, opts.draft_weights, DTYPES[dtype])
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
         draft = {k: v for k, v in draft.items() if k != "correction"}
@@ -209,17 +209,11 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     # paper's chain of 12.
     tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
-    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, plan, _draft_weights(opts),
+    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, plan, opts.draft_weights,
                                  DTYPES[dtype])
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
                  f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
                  + draft_weights.about(draft))
-
-
-def _draft_weights(opts: Options) -> str:
-    from s3djax.speculative import draft_weights
-
-    return draft_weights.default_mode() if opts.draft_weights is None else opts.draft_weights
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -279,18 +279,22 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
         assert spec.generate(prompt, 40).tokens == ar_runner(LLAMA, params).generate(prompt, 40).tokens
 
 
-def test_the_cpu_drafts_s3d_and_self_spec_with_int8_weights(smollm2):
+def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smollm2):
     from s3djax import methods, quant
 
-    for method in ("s3d", "self-spec"):
+    int8 = lambda tree: [quant.is_int8(w) for w in jax.tree.leaves(tree, is_leaf=quant.is_weight) if quant.is_weight(w)]
+    for method in ("s3d", "self-spec", "kangaroo"):
         built = methods.build(method, smollm2, max_cache_len=128)
         target, draft = built.params
-        plan = built.decoder.drafter.plan
-        assert "draft weights int8" in built.draft and quant.mode_of(target) == "none"
-        assert sorted(draft["weights"]) == sorted(f"layers_{i}" for i in range(30) if plan.attn[i] or plan.mlp[i])
-        weights = [w for w in jax.tree.leaves(draft["weights"], is_leaf=quant.is_weight) if quant.is_weight(w)]
-        assert len(weights) == 7 * len(draft["weights"]) and all(quant.is_int8(w) for w in weights)
-        assert "weights" not in methods.build(method, smollm2, max_cache_len=128, draft_weights="none").params[1]
+        assert "draft weights int8" in built.draft and quant.mode_of(target) == "none" and all(int8(draft["head"]))
+        if method == "kangaroo":  # its layers are the target's own; its adapter is its own
+            assert "weights" not in draft and int8(draft["attn"]) == [True] * 4
+        else:
+            plan = built.decoder.drafter.plan
+            assert sorted(draft["weights"]) == sorted(f"layers_{i}" for i in range(30) if plan.attn[i] or plan.mlp[i])
+            assert int8(draft["weights"]) == [True] * 7 * len(draft["weights"])
+        none = methods.build(method, smollm2, max_cache_len=128, draft_weights="none")
+        assert not any(int8(none.params[1])) and "draft weights" not in none.draft
 
 
 def test_profiling_mode_times_each_step_apart():

@@ -1,12 +1,12 @@
-"""A draft that reads int8 copies of the layers it runs, while verification keeps the target's own weights.
+"""A draft that reads int8 copies of its weights, while verification keeps the target's own.
 
-A layer-skip draft (S3D, Self-Spec) only proposes tokens: the full model verifies every one of them and
-rewrites every cache slot the draft wrote, so the draft may read weights that differ from the target's and
-the output stays exactly the target's. On a memory-bound device a draft step costs the bytes it reads, and
-int8 reads a quarter of fp32's. The draft params then carry "weights": {layers_i: the layer in int8} for the
-layers the plan runs, and a draft vocabulary's "head" in int8 too.
-
-Kangaroo and S2D cannot: their verification reuses the states their draft computed in the shared layers.
+A draft only proposes tokens: the full model verifies every one of them, so the draft may read weights
+that differ from the target's and the output stays exactly the target's. On a memory-bound device a draft
+step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip draft (S3D, Self-Spec)
+gets int8 copies of the layers its plan runs, as "weights": {layers_i: the layer in int8}; verification
+rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
+("attn") go int8 too. Kangaroo's and S2D's shared layers stay the target's: their verification reuses the
+states their draft computed there.
 """
 
 from __future__ import annotations
@@ -33,16 +33,21 @@ def check_mode(mode: str) -> None:
         raise UserError(f"unknown draft weights {mode!r}; choose from {', '.join(MODES)}")
 
 
-def attach(draft: dict, params: dict, plan: SkipPlan, mode: str, dtype) -> dict:
-    """The draft with int8 copies of the weights it reads (`mode` "int8"), else unchanged."""
+def attach(draft: dict, params: dict, plan: SkipPlan | None, mode: str | None, dtype) -> dict:
+    """The draft with int8 copies of the weights it reads (`mode` "int8"; None: the platform's default), else
+    unchanged. `plan`: the layers it runs apart from verification (None: none, as for Kangaroo)."""
+    mode = default_mode() if mode is None else mode
     check_mode(mode)
     if mode == "none":
         return draft
-    kept = [i for i in range(plan.num_layers) if plan.attn[i] or plan.mlp[i]]
-    layers = quant.apply({layer_key(i): params[layer_key(i)] for i in kept}, "int8", dtype)
-    out = {**draft, "weights": layers}
+    out = dict(draft)
+    if plan is not None:
+        kept = [i for i in range(plan.num_layers) if plan.attn[i] or plan.mlp[i]]
+        out["weights"] = quant.apply({layer_key(i): params[layer_key(i)] for i in kept}, "int8", dtype)
     if "head" in draft:
         out["head"] = quant.table(draft["head"], "int8-all", dtype)
+    if "attn" in draft:
+        out["attn"] = quant.apply(draft["attn"], "int8", dtype)
     return out
 
 
@@ -52,4 +57,5 @@ def of(params: dict, draft) -> dict:
 
 
 def about(draft) -> str:
-    return ", draft weights int8" if isinstance(draft, dict) and "weights" in draft else ""
+    return ", draft weights int8" if isinstance(draft, dict) and any(
+        quant.is_int8(w) for w in jax.tree.leaves(draft, is_leaf=quant.is_weight)) else ""

@@ -39,7 +39,7 @@ from s3djax.layers import Attention, RMSNorm, rope_tables
 from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import draft_vocab, verify
+from s3djax.speculative import draft_vocab, draft_weights, verify
 from s3djax.speculative.drafters.chain import ChainDrafter, about_spine, spine
 from s3djax.speculative.tree import TreeArrays, TreeSpec
 
@@ -215,6 +215,7 @@ def build_kangaroo(m, ar, opts, dtype: str):
         check_exit_layer(exit_layer, config.num_layers)
         adapter = check_adapter(adapter, config, path)
     adapter = draft_vocab.attach(jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter), meta, m.params)
+    adapter = draft_weights.attach(adapter, m.params, None, opts.draft_weights, DTYPES[dtype])
     # The adapter file may carry the eta its sweep measured fastest; the paper's 0.6 otherwise.
     eta = opts.eta if opts.eta is not None else meta.get("eta", 0.6)
     if not 0 <= eta <= 1:
@@ -224,4 +225,4 @@ def build_kangaroo(m, ar, opts, dtype: str):
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
                  f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, {about_spine(tree)}"
-                 + draft_vocab.about(meta))
+                 + draft_vocab.about(meta) + draft_weights.about(adapter))
