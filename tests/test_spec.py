@@ -261,7 +261,7 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
     draft = {**perturbed_draft(params, LLAMA, plan, 5), "vocab": ids, "head": params["lm_head"][ids]}
     draft8 = draft_weights.attach(draft, params, plan, "int8", jnp.float32)
     kept = [i for i in range(LLAMA.num_layers) if i != 1]
-    assert sorted(draft8["weights"]) == [f"layers_{i}" for i in kept] and quant.is_int8(draft8["head"])
+    assert sorted(map(int, draft8["weights"])) == kept and quant.is_int8(draft8["head"])
     assert draft_weights.attach(draft, params, plan, "none", jnp.float32) is draft
 
     ar = ARDecoder(LLAMA, CACHE, eos_ids=())
@@ -269,7 +269,7 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
     drafter = S3DDrafter(LLAMA, plan, TreeSpec.chain(3), 3)
     logits = lambda p, d: drafter.block_logits(p, d, state["cache"], state["length"], state["last"])[0]
     # The draft reads exactly the int8 copies: the same logits as a float draft over their dequantized values.
-    rounded = {**params, **quant.dequantize_tree(draft8["weights"])}
+    rounded = draft_weights.of(params, quant.dequantize_tree(draft8))
     got = logits(params, draft8)
     np.testing.assert_allclose(got, logits(rounded, {**draft, "head": quant.dequantize(draft8["head"])}),
                                rtol=1e-5, atol=1e-5)
@@ -291,7 +291,7 @@ def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smo
             assert "weights" not in draft and int8(draft["attn"]) == [True] * 4
         else:
             plan = built.decoder.drafter.plan
-            assert sorted(draft["weights"]) == sorted(f"layers_{i}" for i in range(30) if plan.attn[i] or plan.mlp[i])
+            assert sorted(map(int, draft["weights"])) == [i for i in range(30) if plan.attn[i] or plan.mlp[i]]
             assert int8(draft["weights"]) == [True] * 7 * len(draft["weights"])
         none = methods.build(method, smollm2, max_cache_len=128, draft_weights="none")
         assert not any(int8(none.params[1])) and "draft weights" not in none.draft

@@ -3,7 +3,8 @@
 A draft only proposes tokens: the full model verifies every one of them, so the draft may read weights
 that differ from the target's and the output stays exactly the target's. On a memory-bound device a draft
 step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip draft (S3D, Self-Spec)
-gets int8 copies of the layers its plan runs, as "weights": {layers_i: the layer in int8}; verification
+gets int8 copies of the layers its plan runs, as "weights": {i: {"attn", "mlp"}: layer i's linears in
+int8}, the rest of the layer (its norms) read from the target's own arrays; verification
 rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
 ("attn") go int8 too. Kangaroo's and S2D's shared layers stay the target's: their verification reuses the
 states their draft computed there.
@@ -15,7 +16,7 @@ import jax
 
 from s3djax import quant
 from s3djax.errors import UserError
-from s3djax.model import layer_key
+from s3djax.model import layer_key, with_layers
 from s3djax.skip_plan import SkipPlan
 
 MODES = ("none", "int8")
@@ -43,7 +44,8 @@ def attach(draft: dict, params: dict, plan: SkipPlan | None, mode: str | None, d
     out = dict(draft)
     if plan is not None:
         kept = [i for i in range(plan.num_layers) if plan.attn[i] or plan.mlp[i]]
-        out["weights"] = quant.apply({layer_key(i): params[layer_key(i)] for i in kept}, "int8", dtype)
+        layers = quant.apply({layer_key(i): params[layer_key(i)] for i in kept}, "int8", dtype)
+        out["weights"] = {str(i): {part: layers[layer_key(i)][part] for part in ("attn", "mlp")} for i in kept}
     if "head" in draft:
         out["head"] = quant.table(draft["head"], "int8-all", dtype)
     if "attn" in draft:
@@ -53,7 +55,7 @@ def attach(draft: dict, params: dict, plan: SkipPlan | None, mode: str | None, d
 
 def of(params: dict, draft) -> dict:
     """The params a draft forward reads: the target's, with the draft's own copies in place of its layers."""
-    return {**params, **draft["weights"]} if isinstance(draft, dict) and "weights" in draft else params
+    return with_layers(params, draft["weights"]) if isinstance(draft, dict) and "weights" in draft else params
 
 
 def about(draft) -> str:
