@@ -1,5 +1,5 @@
-"""S3D's settings against `ar`: every draft file x gamma x --lookup switch x draft weights given, interleaved prompt by prompt
-in one process, so that a shared machine's drift falls on every variant alike.
+"""S3D's settings against `ar`: every draft file x gamma x --lookup switch x draft weights given, interleaved
+prompt by prompt in one process, so that a shared machine's drift falls on every variant alike.
 
     python -m benchmarks.s3d_lookup --lookup 0,1,2,3 --dataset mt-bench,humaneval --limit mt-bench=12,humaneval=6
     python -m benchmarks.s3d_lookup --draft shipped,runs/x/draft.npz --gamma 2,4 --lookup 0,1

@@ -169,7 +169,8 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, plan, opts.draft_weights, DTYPES[dtype])
+    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, opts.draft_weights, DTYPES[dtype],
+                                 plan=plan)
     drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
         draft = {k: v for k, v in draft.items() if k != "correction"}
@@ -209,8 +210,8 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     # paper's chain of 12.
     tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
     drafter = SelfSpecDrafter(m.config, plan, tree)
-    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, plan, opts.draft_weights,
-                                 DTYPES[dtype])
+    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, opts.draft_weights, DTYPES[dtype],
+                                 plan=plan)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
                  f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
                  + draft_weights.about(draft))

@@ -259,10 +259,10 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
     params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
     ids = jnp.arange(0, LLAMA.vocab_size, 3, dtype=jnp.int32)
     draft = {**perturbed_draft(params, LLAMA, plan, 5), "vocab": ids, "head": params["lm_head"][ids]}
-    draft8 = draft_weights.attach(draft, params, plan, "int8", jnp.float32)
+    draft8 = draft_weights.attach(draft, params, "int8", jnp.float32, plan=plan)
     kept = [i for i in range(LLAMA.num_layers) if i != 1]
     assert sorted(map(int, draft8["weights"])) == kept and quant.is_int8(draft8["head"])
-    assert draft_weights.attach(draft, params, plan, "none", jnp.float32) is draft
+    assert draft_weights.attach(draft, params, "none", jnp.float32, plan=plan) is draft
 
     ar = ARDecoder(LLAMA, CACHE, eos_ids=())
     state = ar.start(params, jnp.asarray([list(range(40, 55))]), jnp.asarray([15]), jax.random.key(0))
@@ -291,8 +291,10 @@ def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smo
             assert "weights" not in draft and int8(draft["attn"]) == [True] * 4
         else:
             plan = built.decoder.drafter.plan
-            assert sorted(map(int, draft["weights"])) == [i for i in range(30) if plan.attn[i] or plan.mlp[i]]
-            assert int8(draft["weights"]) == [True] * 7 * len(draft["weights"])
+            # Only the sub-layers the plan runs: 4 attention and 3 MLP linears each.
+            runs = {i: ("attn",) * plan.attn[i] + ("mlp",) * plan.mlp[i] for i in range(30)}
+            assert {int(i): tuple(layer) for i, layer in draft["weights"].items()} == {i: r for i, r in runs.items() if r}
+            assert int8(draft["weights"]) == [True] * sum(4 * plan.attn[i] + 3 * plan.mlp[i] for i in range(30))
         none = methods.build(method, smollm2, max_cache_len=128, draft_weights="none")
         assert not any(int8(none.params[1])) and "draft weights" not in none.draft
 

@@ -3,8 +3,8 @@
 A draft only proposes tokens: the full model verifies every one of them, so the draft may read weights
 that differ from the target's and the output stays exactly the target's. On a memory-bound device a draft
 step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip draft (S3D, Self-Spec)
-gets int8 copies of the layers its plan runs, as "weights": {i: {"attn", "mlp"}: layer i's linears in
-int8}, the rest of the layer (its norms) read from the target's own arrays; verification
+gets int8 copies of the sub-layers its plan runs, as "weights": {i: {"attn" and/or "mlp": layer i's
+linears in int8}}, the rest of the layer (its norms) read from the target's own arrays; verification
 rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
 ("attn") go int8 too. Kangaroo's and S2D's shared layers stay the target's: their verification reuses the
 states their draft computed there.
@@ -34,22 +34,24 @@ def check_mode(mode: str) -> None:
         raise UserError(f"unknown draft weights {mode!r}; choose from {', '.join(MODES)}")
 
 
-def attach(draft: dict, params: dict, plan: SkipPlan | None, mode: str | None, dtype) -> dict:
+def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan | None = None,
+           own: tuple[str, ...] = ()) -> dict:
     """The draft with int8 copies of the weights it reads (`mode` "int8"; None: the platform's default), else
-    unchanged. `plan`: the layers it runs apart from verification (None: none, as for Kangaroo)."""
+    unchanged: the sub-layers `plan` runs apart from verification, a draft vocabulary's head rows, and the
+    draft's `own` subtrees of linears (a Kangaroo adapter's "attn")."""
     mode = default_mode() if mode is None else mode
     check_mode(mode)
     if mode == "none":
         return draft
-    out = dict(draft)
+    out = {**draft, **{name: quant.apply(draft[name], "int8", dtype) for name in own}}
     if plan is not None:
-        kept = [i for i in range(plan.num_layers) if plan.attn[i] or plan.mlp[i]]
-        layers = quant.apply({layer_key(i): params[layer_key(i)] for i in kept}, "int8", dtype)
-        out["weights"] = {str(i): {part: layers[layer_key(i)][part] for part in ("attn", "mlp")} for i in kept}
+        runs = {i: [part for part, on in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])) if on]
+                for i in range(plan.num_layers)}
+        layers = quant.apply({layer_key(i): {part: params[layer_key(i)][part] for part in parts}
+                              for i, parts in runs.items() if parts}, "int8", dtype)
+        out["weights"] = {str(i): layers[layer_key(i)] for i, parts in runs.items() if parts}
     if "head" in draft:
         out["head"] = quant.table(draft["head"], "int8-all", dtype)
-    if "attn" in draft:
-        out["attn"] = quant.apply(draft["attn"], "int8", dtype)
     return out
 
 

@@ -215,7 +215,7 @@ def build_kangaroo(m, ar, opts, dtype: str):
         check_exit_layer(exit_layer, config.num_layers)
         adapter = check_adapter(adapter, config, path)
     adapter = draft_vocab.attach(jax.tree.map(lambda a: jnp.asarray(a, DTYPES[dtype]), adapter), meta, m.params)
-    adapter = draft_weights.attach(adapter, m.params, None, opts.draft_weights, DTYPES[dtype])
+    adapter = draft_weights.attach(adapter, m.params, opts.draft_weights, DTYPES[dtype], own=("attn",))
     # The adapter file may carry the eta its sweep measured fastest; the paper's 0.6 otherwise.
     eta = opts.eta if opts.eta is not None else meta.get("eta", 0.6)
     if not 0 <= eta <= 1:
