@@ -36,30 +36,34 @@ SAMPLES = 16_000
 SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
 
 
-@pytest.fixture(scope="module")
-def params():
+@functools.cache
+def scaled_params():
     # Scaled so that next-token distributions are neither flat nor one-hot.
     return jax.tree.map(lambda a: a * 4 if a.ndim == 2 else a, model.init_params(SMALL, jax.random.key(11)))
 
 
-@functools.partial(jax.jit, static_argnames="sampling")  # op by op, three forwards compiled ~300 small programs
+@pytest.fixture(scope="module")
+def params():
+    return scaled_params()
+
+
+@functools.partial(jax.jit, static_argnames="sampling")  # op by op, a forward compiled ~100 small programs
 def next_token_probs(params, rows, sampling: Sampling):
+    """The processed next-token distributions [B, 3, V] after each of the rows' last three positions."""
     hidden, _ = model.forward_sequence(params, rows, config=SMALL)
-    return jax.nn.softmax(process_logits(model.Decoder(SMALL).apply({"params": params}, hidden[:, -1], method="logits"),
-                                         sampling), -1)
+    logits = model.Decoder(SMALL).apply({"params": params}, hidden[:, -3:], method="logits")
+    return jax.nn.softmax(process_logits(logits, sampling), -1)
 
 
-def exact_joint(params, sampling: Sampling) -> np.ndarray:
-    """P(t1, t2, t3 | PROMPT) [V, V, V] under the processed target distribution, by brute force."""
+@functools.cache
+def exact_joint(sampling: Sampling) -> np.ndarray:
+    """P(t1, t2, t3 | PROMPT) [V, V, V] under the processed target distribution, by brute force: one causal
+    forward over every PROMPT + [t1, t2] gives all three factors. Cached: several tests share a sampling."""
     v = SMALL.vocab_size
-
-    def dist(rows):
-        return np.asarray(next_token_probs(params, jnp.asarray(rows, jnp.int32), sampling), np.float64)
-
     grid = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
-    p1 = dist([PROMPT])[0]
-    p2 = dist([PROMPT + [a] for a in range(v)])
-    p3 = dist([PROMPT + list(ab) for ab in grid]).reshape(v, v, v)
+    rows = np.concatenate([np.tile(PROMPT, (len(grid), 1)), grid], 1)
+    probs = np.asarray(next_token_probs(scaled_params(), jnp.asarray(rows, jnp.int32), sampling), np.float64)
+    p1, p2, p3 = probs[0, 0], probs[::v, 1], probs[:, 2].reshape(v, v, v)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -102,7 +106,7 @@ SHAPED = Sampling(temperature=0.7, top_k=6, top_p=0.9)
 def test_the_target_itself_passes(params):
     # The test of the harness: plain AR sampling against the brute-force distribution.
     decoder = ARDecoder(SMALL, 32, eos_ids=(), sampling=T1)
-    exact = exact_joint(params, T1)
+    exact = exact_joint(T1)
     assert exact.max() < 0.5 and (exact > 1e-3).sum() > 40  # spread enough to say something
     assert chi_square_p(sampled_joint(params, decoder, None), exact) > SIGNIFICANCE
 
@@ -112,7 +116,7 @@ def test_the_target_itself_passes(params):
 def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
-    assert chi_square_p(counts, exact_joint(params, sampling)) > SIGNIFICANCE
+    assert chi_square_p(counts, exact_joint(sampling)) > SIGNIFICANCE
 
 
 def test_a_draft_vocabulary_samples_the_target_distribution(params):
@@ -120,7 +124,7 @@ def test_a_draft_vocabulary_samples_the_target_distribution(params):
     decoder, plan = spec_decoder(T1, "tree-8")
     ids = jnp.arange(0, SMALL.vocab_size, 2, dtype=jnp.int32)
     draft = {**init_draft(params, SMALL, plan), "vocab": ids, "head": params["embed"][ids]}
-    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, T1)) > SIGNIFICANCE
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(T1)) > SIGNIFICANCE
 
 
 @pytest.mark.parametrize("sampling, tree, candidates", [(T1, "tree-16", 32), (SHAPED, "tree-8", 5)],
@@ -132,7 +136,7 @@ def test_a_previous_token_correction_samples_the_target_distribution(params, mon
     monkeypatch.setattr(s3d, "CANDIDATES", candidates)
     decoder, plan = spec_decoder(sampling, tree)
     draft = {**init_draft(params, SMALL, plan), "correction": random_correction(SMALL, 3)}
-    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(params, sampling)) > SIGNIFICANCE
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(sampling)) > SIGNIFICANCE
 
 
 def test_autoregressive_drafting_samples_the_target_distribution(params):
@@ -140,7 +144,7 @@ def test_autoregressive_drafting_samples_the_target_distribution(params):
     plan = SkipPlan.parse("1-2", SMALL.num_layers)
     drafter = SelfSpecDrafter(SMALL, plan, trees.TreeSpec.spine(3, 2), AdaptiveThreshold(initial=0.2))
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
-    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, T1)) > SIGNIFICANCE
+    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(T1)) > SIGNIFICANCE
 
 
 def test_a_kangaroo_draft_vocabulary_samples_the_target_distribution(params):
@@ -148,14 +152,14 @@ def test_a_kangaroo_draft_vocabulary_samples_the_target_distribution(params):
     adapter = draft_vocab.attach(init_adapter(params, SMALL, 1), {"vocab": list(range(0, SMALL.vocab_size, 2))}, params)
     drafter = KangarooDrafter(SMALL, trees.TreeSpec.spine(3, 2), exit_layer=1, eta=0.0)
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
-    assert chi_square_p(sampled_joint(params, decoder, adapter), exact_joint(params, T1)) > SIGNIFICANCE
+    assert chi_square_p(sampled_joint(params, decoder, adapter), exact_joint(T1)) > SIGNIFICANCE
 
 
 def test_prompt_lookup_samples_the_target_distribution(params):
     # Point-mass drafts: tokens of the prompt and of the draws so far, accepted with the target's probability.
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=SHAPED),
                                  LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2))
-    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(params, SHAPED)) > SIGNIFICANCE
+    assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(SHAPED)) > SIGNIFICANCE
 
 
 def test_s3d_giving_way_to_lookup_samples_the_target_distribution(params):
@@ -164,7 +168,7 @@ def test_s3d_giving_way_to_lookup_samples_the_target_distribution(params):
     decoder = SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, switch=1, ngram=2))
     plan = decoder.drafter.inner.plan
     assert chi_square_p(sampled_joint(params, decoder, init_draft(params, SMALL, plan)),
-                        exact_joint(params, SHAPED)) > SIGNIFICANCE
+                        exact_joint(SHAPED)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):
@@ -172,7 +176,7 @@ def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):
     monkeypatch.setattr(verify_module, "accept_probability", lambda r, q: jnp.ones_like(r))
     decoder, plan = spec_decoder(T1, "tree-8")
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
-    assert chi_square_p(counts, exact_joint(params, T1)) < 1e-6
+    assert chi_square_p(counts, exact_joint(T1)) < 1e-6
 
 
 def test_a_near_zero_temperature_is_greedy_and_seeds_reproduce():
