@@ -1,26 +1,35 @@
-"""S3D's settings against `ar`: every draft file x gamma x --lookup switch x draft weights given, interleaved
-prompt by prompt in one process, so that a shared machine's drift falls on every variant alike.
+"""A drafter's settings against `ar`: every draft file x gamma x max draft x tree x --lookup switch x draft weights
+given, interleaved prompt by prompt in one process, so that a shared machine's drift falls on every variant alike.
 
     python -m benchmarks.s3d_lookup --lookup 0,1,2,3 --dataset mt-bench,humaneval --limit mt-bench=12,humaneval=6
     python -m benchmarks.s3d_lookup --draft shipped,runs/x/draft.npz --gamma 2,4 --lookup 0,1
     python -m benchmarks.s3d_lookup --draft-weights none,int8 --gamma 2,3,4 --lookup 1
+    python -m benchmarks.s3d_lookup --method kangaroo --tree top2,chain --max-draft 1,2 --lookup 0,1
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import sys
 
 from benchmarks import report
 from s3djax.cli import Parser, run
+
+AXES = {"draft_path": "draft", "gamma": "gamma", "max_draft": "max draft", "tree": "tree", "lookup": "lookup",
+        "draft_weights": "weights"}
 
 
 def main():
     from infer.benchmark import parse_limits
 
     p = Parser(prog="python -m benchmarks.s3d_lookup", description=__doc__.splitlines()[0])
-    p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: s3d alone)")
-    p.add_argument("--gamma", default="", help="comma-separated depths (default: the platform's)")
+    p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo"))
+    p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone)")
+    p.add_argument("--gamma", default="", help="s3d: comma-separated depths (default: the platform's)")
+    p.add_argument("--max-draft", default="", help="self-spec, kangaroo: comma-separated depths (default: the "
+                   "method's)")
+    p.add_argument("--tree", default="", help="comma-separated trees (default: the method's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")
     p.add_argument("--draft-weights", default="", help="comma-separated: none, int8 (default: the platform's)")
     p.add_argument("--dataset", default="mt-bench,humaneval", help="comma-separated: mt-bench, humaneval")
@@ -32,28 +41,35 @@ def main():
     datasets = [d for d in args.dataset.split(",") if d]
     limits = parse_limits(args.limit, datasets)
     numbers = lambda text: all(s.strip().isdigit() for s in text.split(","))
-    p.check(args, lookup=numbers(args.lookup), gamma=not args.gamma or numbers(args.gamma), limit=limits is not None,
-            rounds=args.rounds >= 1, max_new_tokens=args.max_new_tokens >= 2)
+    p.check(args, lookup=numbers(args.lookup), gamma=not args.gamma or numbers(args.gamma),
+            max_draft=not args.max_draft or numbers(args.max_draft), limit=limits is not None, rounds=args.rounds >= 1,
+            max_new_tokens=args.max_new_tokens >= 2)
 
     from infer.benchmark import pooled_tokens_per_s
     from s3djax import device, methods
     from s3djax.bench_data import prompts
     from s3djax.decode import Runner
+    from s3djax.errors import UserError
     from s3djax.loading import load_model
     from s3djax.speculative.loop import acceptance
 
     m = load_model("smollm2-135m", progress=False)
     sets = {name: [q["ids"] for q in prompts(name, m.tokenizer, limits.get(name))] for name in datasets}
-    drafts = args.draft.split(",")
-    gammas = [int(g) for g in args.gamma.split(",")] if args.gamma else [methods.default_gamma(None)]
+    listed = lambda text, kind=str: [kind(v) for v in text.split(",")] if text else [None]  # noqa: E731
+    axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")], "gamma": listed(args.gamma, int),
+            "max_draft": listed(args.max_draft, int), "tree": listed(args.tree), "lookup": listed(args.lookup, int),
+            "draft_weights": listed(args.draft_weights)}
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
-    weights = args.draft_weights.split(",") if args.draft_weights else [None]
-    for d, g, k, w in itertools.product(drafts, gammas, map(int, args.lookup.split(",")), weights):
-        name = (f"{d}, " if len(drafts) > 1 else "") + (f"gamma {g}, " if len(gammas) > 1 else "") + f"lookup {k}" \
-            + (f", weights {w}" if len(weights) > 1 else "")
-        variants[f"s3d, {name}"] = methods.build("s3d", m, max_cache_len=2048, gamma=g, lookup=k, draft_weights=w,
-                                                 draft_path=None if d == "shipped" else d)
-        depth[f"s3d, {name}"] = g
+    for combo in itertools.product(*axes.values()):
+        opts = dict(zip(axes, combo))
+        name = ", ".join(f"{AXES[k]} {'shipped' if v is None else v}" for k, v in opts.items() if len(axes[k]) > 1)
+        name = f"{args.method}, {name}" if name else args.method
+        try:
+            variants[name] = methods.build(args.method, m, max_cache_len=2048, **opts)
+        except UserError as e:  # lookup on a tree, say: the other combinations still run
+            print(f"skipped {name}: {e}", file=sys.stderr)
+            continue
+        depth[name] = variants[name].decoder.drafter.tree.depth
     runners = {name: Runner(b.decoder, b.params) for name, b in variants.items()}
     for r in runners.values():
         r.generate(next(iter(sets.values()))[0], 4)  # compile outside the timing
@@ -63,10 +79,10 @@ def main():
             for ids in ids_list:
                 for v, r in runners.items():
                     runs[s, v].append(r.generate(ids, args.max_new_tokens))
-    lines = ["# S3D's settings against ar, SmolLM2-135M-Instruct float32", "",
+    lines = [f"# {args.method}'s settings against ar, SmolLM2-135M-Instruct float32", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              *[f"- {name}: {b.draft}" for name, b in variants.items() if b.draft],
-             f"- {args.max_new_tokens} new tokens, greedy; chain; {args.rounds} rounds, the variants "
+             f"- {args.max_new_tokens} new tokens, greedy; {args.rounds} rounds, the variants "
              "interleaved prompt by prompt; tokens/s: tokens after the first over decode time, pooled; tau: tokens "
              "per verify step", "",
              "| set | variant | tokens/s | vs ar | tau | alpha by depth | identical to ar |",
@@ -82,7 +98,7 @@ def main():
             same = sum(r.tokens == b.tokens for r, b in zip(runs[s, v], runs[s, "ar"]))
             lines.append(f"| {s} {len(ids_list)} | {v} | {tps[v]:.1f} | {tps[v] / tps['ar']:.2f}x | {tau} | "
                          f"{alpha} | {same}/{len(runs[s, v])} |")
-    report.write(args.out, "s3d_lookup", "\n".join(lines))
+    report.write(args.out, f"{args.method}_lookup".replace("-", "_"), "\n".join(lines))
 
 
 if __name__ == "__main__":

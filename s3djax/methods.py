@@ -29,11 +29,13 @@ PAPER_GAMMA = 4
 # (benchmarks/results/lookup-depth-cpu-2026-11-25.md: 1.16x and 1.28x ar, against 1.04x and 1.12x at 4).
 LOOKUP_DEPTH = 2
 LOOKUP_NGRAM = 3
-# S3D's chain gives way to lookup's at a step whose last N+ tokens occurred before (0: never), N per platform: 1
-# measured fastest on the CPU (benchmarks/results/s3d-lookup-cpu-2026-11-25.md: 1.25x and 1.54x ar on MT-Bench
-# and HumanEval, against 1.21x/1.42x at 2, 1.16x/1.36x at 3 and 1.02x/1.18x without lookup). No GPU has
-# measured it: the paper's S3D, without lookup.
-S3D_LOOKUP = {"cpu": 1}
+# A drafter's chain gives way to lookup's at a step whose last N+ tokens occurred before (0: never), N per method
+# and platform. S3D: 1 measured fastest on the CPU (benchmarks/results/s3d-lookup-cpu-2026-11-25.md: 1.25x and
+# 1.54x ar on MT-Bench and HumanEval, against 1.21x/1.42x at 2, 1.16x/1.36x at 3 and 1.02x/1.18x without
+# lookup). Self-Spec and Kangaroo on a chain of 2, switch 1 (benchmarks/results/lookup-drafters-cpu-2026-11-26/): Kangaroo
+# 1.29x and 1.24x against its top2 tree's 1.16x and 1.09x without lookup, Self-Spec 1.06x and 1.23x against 0.90x
+# and 0.95x, MT-Bench 12 and HumanEval 6. No GPU has measured it: the papers' drafters, without lookup.
+FASTEST_LOOKUP = {"s3d": {"cpu": 1}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1}}
 
 
 def default_gamma(tree: str | None) -> int:
@@ -64,7 +66,7 @@ class Options:
     thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
-    lookup: int | None = None       # s3d: switch a step's chain to lookup's where N+ tokens match (0: never)
+    lookup: int | None = None       # s3d, self-spec, kangaroo: a chain gives way to lookup's where N+ tokens match
     draft_weights: str | None = None  # s3d, self-spec, kangaroo: the draft's own weights in int8 (None: measured fastest)
 
 
@@ -148,7 +150,6 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative import draft_vocab, draft_weights
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
-    from s3djax.speculative.drafters.lookup import WithLookup
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
@@ -176,20 +177,30 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
         draft = {k: v for k, v in draft.items() if k != "correction"}
         warnings.append(f"{opts.tree} drafts without the draft's previous-token correction, which needs a "
                         "static tree")
-    switch = S3D_LOOKUP.get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
+    drafter, about_lookup = with_lookup(drafter, opts, "s3d")
+    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}" + about_lookup
+                 + draft_vocab.about(meta)
+                 + draft_weights.about(draft)
+                 + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))
+
+
+def with_lookup(drafter, opts: Options, method: str):
+    """(the drafter, giving way to prompt lookup's chain where --lookup (or the method's measured fastest) says,
+    and the words for it)."""
+    from s3djax.speculative.drafters.lookup import WithLookup
+
+    switch = FASTEST_LOOKUP.get(method, {}).get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
     if switch < 0:
         raise UserError(f"--lookup must be 0 (never) or more, got {switch}")
     if switch and drafter.tree.spine_width != 1:
         if opts.lookup:
-            raise UserError(f"--lookup drafts a chain, so s3d's tree must be the chain, not {opts.tree}")
+            raise UserError(f"--lookup drafts a chain, so {method}'s tree must be the chain, not "
+                            f"{opts.tree or drafter.tree.spine_name}")
         switch = 0
-    if switch:
-        drafter = WithLookup(drafter, switch, max(switch, LOOKUP_NGRAM))
-    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
-                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
-                 + (f", lookup where {switch}+ tokens match" if switch else "") + draft_vocab.about(meta)
-                 + draft_weights.about(draft)
-                 + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))
+    if not switch:
+        return drafter, ""
+    return WithLookup(drafter, switch, max(switch, LOOKUP_NGRAM)), f", lookup where {switch}+ tokens match"
 
 
 def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
@@ -209,18 +220,21 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
     # The plan file's tree and max draft where it records them (the shipped plan's: measured fastest), else the
     # paper's chain of 12.
     tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
-    drafter = SelfSpecDrafter(m.config, plan, tree)
+    drafter, about_lookup = with_lookup(SelfSpecDrafter(m.config, plan, tree), opts, "self-spec")
     draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, opts.draft_weights, DTYPES[dtype],
                                  plan=plan)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
-                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
+                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + about_lookup + draft_vocab.about(meta)
                  + draft_weights.about(draft))
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.kangaroo import build_kangaroo
 
-    return build_kangaroo(m, ar, opts, dtype)
+    built = build_kangaroo(m, ar, opts, dtype)
+    drafter, about_lookup = with_lookup(built.decoder.drafter, opts, "kangaroo")
+    return dataclasses.replace(built, decoder=dataclasses.replace(built.decoder, drafter=drafter),
+                               draft=built.draft + about_lookup)
 
 
 def _s2d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

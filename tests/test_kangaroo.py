@@ -20,6 +20,7 @@ from s3djax.methods import Options
 from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.draft_params import save_artifact
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
+from s3djax.speculative.drafters.lookup import WithLookup
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
 from tiny import LLAMA, PHI3, random_params
@@ -139,11 +140,15 @@ def recomputed_adapter_cache(config, params, adapter, exit_layer, tokens):
     return adapter_hidden(adapter, exits, kv.init_cache(config, 1, t)[0], positions, zeros, mask, config=config)[1]
 
 
-def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptance():
-    # A top-2 tree: the committed path may end in a leaf, whose adapter K/V came from its depth's block.
-    config, exit_layer, prompt, tree = LLAMA, 2, [3, 1, 4, 1, 5, 9, 2, 6], TreeSpec.spine(3, 2)
+@pytest.mark.parametrize("tree, switch", [(TreeSpec.spine(3, 2), 0), (TreeSpec.chain(3), 1)], ids=["top2", "chain-lookup"])
+def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptance(tree, switch):
+    # A top-2 tree: the committed path may end in a leaf, whose adapter K/V came from its depth's block. With
+    # lookup, the steps whose chain lookup drafted wrote theirs in `gave_way`.
+    config, exit_layer, prompt = LLAMA, 2, [3, 1, 4, 1, 5, 9, 2, 6]
     params, adapter = near_oracle(random_params(LLAMA, 5), config, exit_layer, 6)
     decoder = spec_decoder(config, exit_layer, tree)
+    if switch:
+        decoder = SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, switch))
     state = jax.jit(decoder.start)((params, adapter), jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)]),
                                    jax.random.key(0))
     state = jax.jit(decoder.decode)((params, adapter), state, jnp.int32(40))
@@ -152,7 +157,7 @@ def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptanc
     length = int(state["length"][0])
     committed = prompt + np.asarray(state["tokens"])[0, :length - len(prompt)].tolist()
     expected = recomputed_adapter_cache(config, params, adapter, exit_layer, committed)
-    got = state["drafter"]["adapter"]
+    got = (state["drafter"][0] if switch else state["drafter"])["adapter"]
     for name in ("k", "v"):
         np.testing.assert_allclose(got[name][:, :length], expected[name], rtol=1e-4, atol=1e-5)
     # And the target's own cache (shallow layers from drafting, deep ones from verification) is the full model's.
@@ -274,10 +279,10 @@ def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2)
 
     built = methods.build("kangaroo", smollm2, max_cache_len=128)
     drafter = built.decoder.drafter
-    # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md, kangaroo-exit-cpu-2026-11-23.md and
-    # kangaroo-tree-10k-adapter-cpu-2026-11-26.md measured these fastest.
-    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 1, 2)
-    assert "eta 0.0, max draft 1, tree top2" in built.draft
+    # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md and lookup-drafters-cpu-2026-11-26/ measured these fastest,
+    # the chain giving way to lookup on the CPU.
+    assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 2, 1)
+    assert "eta 0.0, max draft 2, tree chain" in built.draft and "lookup where 1+ tokens match" in built.draft
     drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3, tree="chain").decoder.drafter
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.5, 3, 1)  # the flags override the file
     # A file that records no tree drafts the chain (the S2D draft records none).

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from s3djax import cache as kv
 from s3djax import methods
 from s3djax.sampling import Sampling
 from s3djax.decode import ARDecoder, Runner
@@ -12,7 +13,9 @@ from s3djax.skip_plan import SkipPlan
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup, propose
+from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
 from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
 from tests.tiny import LLAMA, PHI3, random_params
@@ -121,30 +124,37 @@ def test_in_a_batch_each_row_takes_its_own_source():
     assert nodes.tolist() == [[6, 4], [7, 7]] and valid.all()
 
 
+def drafter_and_draft(method, config, params):
+    """Each drafter that can give way to lookup, on a chain of 3, with an untrained draft."""
+    plan, chain = SkipPlan.parse("1", config.num_layers), TreeSpec.chain(3)
+    if method == "s3d":
+        return S3DDrafter(config, plan, chain, 3), init_draft(params, config, plan)
+    if method == "self-spec":  # a threshold of 0: it drafts whenever lookup does not
+        return SelfSpecDrafter(config, plan, chain, AdaptiveThreshold(initial=0.0)), {}
+    return KangarooDrafter(config, chain, exit_layer=1, eta=0.0), init_adapter(params, config, 1)
+
+
+@pytest.mark.parametrize("method", ["s3d", "self-spec", "kangaroo"])
 @pytest.mark.parametrize("config, seed", [(LLAMA, 0), (PHI3, 1)], ids=["llama", "phi3"])
-def test_greedy_s3d_giving_way_to_lookup_is_ar(config, seed):
+def test_greedy_drafters_giving_way_to_lookup_are_ar(config, seed, method):
     params, prompt, ar, expected = repeating_case(config, seed)
-    plan = SkipPlan.parse("1", config.num_layers)
-    s3d = S3DDrafter(config, plan, TreeSpec.chain(3), 3)
-    draft = init_draft(params, config, plan)
+    drafter, draft = drafter_and_draft(method, config, params)
     for switch in (1, 2):
-        assert Runner(SpecDecoder.create(ar, WithLookup(s3d, switch)), (params, draft)).generate(prompt, 48).tokens \
+        assert Runner(SpecDecoder.create(ar, WithLookup(drafter, switch)), (params, draft)).generate(prompt, 48).tokens \
             == expected
 
 
-def test_smollm2_s3d_with_lookup_equals_ar_in_fewer_steps(smollm2):
-    from s3djax.tokenizer import encode_prompt
-
-    text = "Write a Python function that returns the nth Fibonacci number, with a docstring and tests."
-    ids = encode_prompt(smollm2.tokenizer, text, chat_template=True)
-    ar = methods.build("ar", smollm2, max_cache_len=128)  # 128 as in the other SmolLM2 tests: XLA's cache shares it
-    expected = Runner(ar.decoder, ar.params).generate(ids, 64).tokens
-    # The untrained draft, so that the margin is lookup's whatever the shipped draft has learnt (the one trained on
-    # 10,000 answers already drafts this prompt in as few steps as lookup does).
-    alone, switched = (methods.build("s3d", smollm2, max_cache_len=128, lookup=k, draft_path="none") for k in (0, 2))
-    assert not isinstance(alone.decoder.drafter, WithLookup)
-    assert isinstance(switched.decoder.drafter, WithLookup) and "lookup where 2+ tokens match" in switched.draft
-    alone, switched = (Runner(b.decoder, b.params).generate(ids, 64) for b in (alone, switched))
-    assert alone.tokens == switched.tokens == expected
-    # 53 steps alone, 48 with lookup (jax 0.10.2, CPU): code repeats names and punctuation that lookup can copy
-    assert switched.stats["verify_steps"] < alone.stats["verify_steps"]
+def test_a_self_spec_step_that_lookup_drafted_leaves_the_threshold():
+    # The step's chain is lookup's ("4 5" occurred before), so the drafter drafted nothing: the acceptance rate and
+    # threshold stay where the last step Self-Spec drafted left them.
+    params = random_params(LLAMA, 0)
+    drafter, _ = drafter_and_draft("self-spec", LLAMA, params)
+    history = jnp.asarray([[4, 5, 6, 4, 5, 0, 0, 0]], jnp.int32)
+    inner = {**drafter.threshold.init(), "drafted": jnp.asarray([3], jnp.int32)}
+    step = WithLookup(drafter, switch=2)
+    end, cache = jnp.asarray([4], jnp.int32), kv.init_cache(LLAMA, 1, 16)
+    nodes, valid, _, _, (inner, _) = step.draft(params, {}, cache, end, history[:, 4], (inner, history.at[:, 4:].set(0)),
+                                                None, Sampling())
+    assert nodes[0].tolist() == [6, 4, 5] and inner["drafted"].tolist() == [0]
+    after = drafter.update(inner, end, jnp.asarray([3]), None, None)
+    assert float(after["threshold"]) == float(inner["threshold"]) and int(after["stages"]) == 0

@@ -8,6 +8,10 @@ from s3djax.speculative.tree import TreeArrays
 
 
 class Drafter:
+    # `gave_way(params, draft, cache, length, last, nodes, state) -> (cache, state)`, where a drafter has work to do
+    # at a step whose chain another source drafted (`WithLookup`): its caches and state as if it had drafted `nodes`.
+    gave_way = None
+
     def init_state(self, params, draft, prompt, lengths, cache):
         return ()
 

@@ -146,17 +146,32 @@ class KangarooDrafter(ChainDrafter):
         x = decoder.apply(variables, tokens, method="embed_tokens")
         return decoder.apply(variables, x, positions, cache, slots, mask, method="run_layers")
 
-    def block(self, params, draft, cache, state, tokens, positions, slot, mask):
+    def _states(self, params, draft, cache, state, tokens, positions, slot, mask):
+        """Layers 0..l-1 and the adapter over a block: its exit states and both K/Vs kept, (adapter outputs, cache,
+        state)."""
         x, cache = self._shallow(params, tokens, positions, cache, slot, mask)
         exits = kv.put_rows(state["exit"], x, slot - state["length"])
-        # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
         hidden, layer = adapter_hidden(draft, x, state["adapter"], positions, slot, mask, config=self.config)
+        return hidden, cache, {**state, "exit": exits, "adapter": layer}
+
+    def block(self, params, draft, cache, state, tokens, positions, slot, mask):
+        # Leaves go through the adapter too: if verification commits one, its adapter K/V must be there.
+        hidden, cache, state = self._states(params, draft, cache, state, tokens, positions, slot, mask)
         # The deepest block proposes nothing (`ChainDrafter` drops its logits): skip its head.
         deepest = (slot - state["length"])[0] == self.tree.num_nodes - self.tree.max_rank - 1
         width = draft_vocab.logits_width(draft, self.config.vocab_size)
         logits = jax.lax.cond(deepest, lambda h: jnp.zeros((h.shape[0], width), jnp.float32),
                               lambda h: draft_logits(params, h, self.config, draft.get("head")), hidden[:, 0])
-        return logits, cache, {**state, "exit": exits, "adapter": layer}
+        return logits, cache, state
+
+    def gave_way(self, params, draft, cache, length, last, nodes, state):
+        """Another source drafted the chain: one block over the root and every node (no head) leaves the exit
+        states verification reads and the K/V a committed node needs, as drafting them would."""
+        tree = self.tree.arrays(last.shape[0])
+        tokens = jnp.concatenate([last[:, None], nodes], 1)
+        _, cache, state = self._states(params, draft, cache, {**state, "length": length}, tokens,
+                                       length[:, None] + tree.depths, length, verify.tree_mask(length, tree))
+        return cache, state
 
     def confident(self, state, probs):
         return jnp.max(probs, axis=-1) > self.eta

@@ -97,8 +97,8 @@ class WithLookup(Drafter):
     The chain stays the same size, so verification costs what it did; the model's draft is skipped where
     lookup drafts every row of the batch. Which source drafts depends on the history alone, never on a
     draw, so sampled verification stays exact.
-    The inner drafter must verify from the nodes alone (the base `score`), as S3D does: Kangaroo's
-    verification reuses states it computed for its own nodes.
+    Where the inner drafter keeps more than the nodes (Kangaroo's exit states and adapter cache, Self-Spec's
+    count of drafted tokens), its `gave_way` brings them up to date at the steps lookup drafts.
     """
     inner: Drafter
     switch: int = 2  # the shortest matching n-gram that switches a step to lookup's draft
@@ -135,6 +135,12 @@ class WithLookup(Drafter):
         # because a conditional copies the K/V cache in and out where a loop carries it in place.
         _, nodes, valid, child_probs, cache, inner = jax.lax.while_loop(
             lambda c: c[0], drafted, (~jnp.all(use), looked, known, masses, cache, inner))
+        if self.inner.gave_way is not None:  # one row, as speculative decoding runs: `all(use)` is that row's
+            def gave_way(c):
+                _, cache, inner = c
+                return (jnp.bool_(False), *self.inner.gave_way(params, draft, cache, length, last, looked, inner))
+
+            _, cache, inner = jax.lax.while_loop(lambda c: c[0], gave_way, (jnp.all(use), cache, inner))
         nodes, valid = jnp.where(use[:, None], looked, nodes), jnp.where(use[:, None], known, valid)
         if not sampling.greedy:
             child_probs = jnp.where(use[:, None, None], masses, child_probs)

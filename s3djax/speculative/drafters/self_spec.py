@@ -80,6 +80,10 @@ class SelfSpecDrafter(ChainDrafter):
         chain = valid[:, ::self.tree.max_rank + 1]  # the chain node of each depth
         return nodes, valid, child_probs, cache, {**state, "drafted": chain.sum(1).astype(jnp.int32)}
 
+    def gave_way(self, params, draft, cache, length, last, nodes, state):
+        # Nothing drafted, so the step says nothing of the plan's acceptance: the threshold stays.
+        return cache, {**state, "drafted": jnp.zeros_like(state["drafted"])}
+
     def update(self, state, length, accepted, path, emitted):
         # Batch size is 1 in speculative decoding: the threshold is the row's.
         return {**self.threshold.update(state, accepted[0], state["drafted"][0]), "drafted": state["drafted"]}
