@@ -24,10 +24,10 @@ def main():
     from infer.benchmark import parse_limits
 
     p = Parser(prog="python -m benchmarks.s3d_lookup", description=__doc__.splitlines()[0])
-    p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo"))
+    p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo", "s2d"))
     p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone)")
     p.add_argument("--gamma", default="", help="s3d: comma-separated depths (default: the platform's)")
-    p.add_argument("--max-draft", default="", help="self-spec, kangaroo: comma-separated depths (default: the "
+    p.add_argument("--max-draft", default="", help="self-spec, kangaroo, s2d: comma-separated depths (default: the "
                    "method's)")
     p.add_argument("--tree", default="", help="comma-separated trees (default: the method's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")

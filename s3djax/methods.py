@@ -34,8 +34,10 @@ LOOKUP_NGRAM = 3
 # 1.54x ar on MT-Bench and HumanEval, against 1.21x/1.42x at 2, 1.16x/1.36x at 3 and 1.02x/1.18x without
 # lookup). Self-Spec and Kangaroo on a chain of 2, switch 1 (benchmarks/results/lookup-drafters-cpu-2026-11-26/): Kangaroo
 # 1.29x and 1.24x against its top2 tree's 1.16x and 1.09x without lookup, Self-Spec 1.06x and 1.23x against 0.90x
-# and 0.95x, MT-Bench 12 and HumanEval 6. No GPU has measured it: the papers' drafters, without lookup.
-FASTEST_LOOKUP = {"s3d": {"cpu": 1}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1}}
+# and 0.95x, MT-Bench 12 and HumanEval 6. S2D at its max draft 1, switch 1
+# (benchmarks/results/s2d-lookup-cpu-2026-11-27.md): 0.97x and 0.96x against 0.87x and 0.83x alone; on MT-Bench 80
+# and HumanEval 40, 1.01x and 1.02x (s2d-lookup-mt-bench-80-humaneval-40-cpu-2026-11-27), under lookup alone. No GPU has measured it: the papers' drafters, without lookup.
+FASTEST_LOOKUP = {"s3d": {"cpu": 1}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1}, "s2d": {"cpu": 1}}
 
 
 def default_gamma(tree: str | None) -> int:
@@ -66,7 +68,7 @@ class Options:
     thresholds: str | None = None   # s2d: per-exit confidence thresholds "a,b,c"
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
-    lookup: int | None = None       # s3d, self-spec, kangaroo: a chain gives way to lookup's where N+ tokens match
+    lookup: int | None = None       # s3d, self-spec, kangaroo, s2d: a chain gives way to lookup's where N+ tokens match
     draft_weights: str | None = None  # s3d, self-spec, kangaroo: the draft's own weights in int8 (None: measured fastest)
 
 
@@ -231,8 +233,12 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.kangaroo import build_kangaroo
 
-    built = build_kangaroo(m, ar, opts, dtype)
-    drafter, about_lookup = with_lookup(built.decoder.drafter, opts, "kangaroo")
+    return _giving_way(build_kangaroo(m, ar, opts, dtype), opts, "kangaroo")
+
+
+def _giving_way(built: Built, opts: Options, method: str) -> Built:
+    """A built drafter wrapped by `with_lookup`, for the methods whose builder lives beside their drafter."""
+    drafter, about_lookup = with_lookup(built.decoder.drafter, opts, method)
     return dataclasses.replace(built, decoder=dataclasses.replace(built.decoder, drafter=drafter),
                                draft=built.draft + about_lookup)
 
@@ -240,7 +246,7 @@ def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built
 def _s2d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative.drafters.s2d_artifact import build_s2d
 
-    return build_s2d(m, ar, opts, dtype)
+    return _giving_way(build_s2d(m, ar, opts, dtype), opts, "s2d")
 
 
 def _lookup(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

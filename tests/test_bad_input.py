@@ -63,6 +63,7 @@ PROMPT = ["--prompt", "hello there, how are you today?"]
     (["--method", "s3d", "--draft-weights", "int4"], "unknown draft weights 'int4'"),
     (["--method", "s3d", "--lookup", "2", "--tree", "top2"], "s3d's tree must be the chain, not top2"),
     (["--method", "kangaroo", "--lookup", "1", "--tree", "top2"], "kangaroo's tree must be the chain, not top2"),
+    (["--method", "s2d", "--lookup", "1", "--tree", "top2"], "s2d's tree must be the chain, not top2"),
     (["--method", "kangaroo", "--eta", "3"], "--eta must be in [0, 1]"),
     (["--method", "kangaroo", "--exit-layer", "5"], "not --exit-layer 5"),
     (["--method", "kangaroo", "--draft", "configs/drafts/smollm2-135m-s3d.npz"], "is not a Kangaroo adapter"),

@@ -1,5 +1,6 @@
-"""S2D: greedy output equals each target's ar token for token, early exits keep the draft cache exact,
-SoFT's gradients reach every exit, and a tiny training run writes an artifact `--method s2d` loads."""
+"""S2D: greedy output equals each target's ar token for token, alone and giving way to prompt lookup, early exits
+and lookup's steps keep the draft cache exact, SoFT's gradients reach every exit, and a tiny training run writes an
+artifact `--method s2d` loads."""
 
 import dataclasses
 import functools
@@ -15,6 +16,7 @@ from s3djax.errors import UserError
 from s3djax.speculative import draft_vocab
 from s3djax.speculative import tree as trees
 from s3djax.speculative.drafters.s2d import S2DDrafter, first_exit
+from s3djax.speculative.drafters.lookup import WithLookup
 from s3djax.speculative.drafters.s2d_artifact import init_lora, parse_exits, parse_thresholds
 from s3djax.speculative.loop import SpecDecoder
 from tiny import LLAMA, PHI3, random_params
@@ -37,8 +39,16 @@ def generate(decoder, params, prompt, n):
     return np.asarray(state["tokens"])[0, :n].tolist(), state
 
 
-def s2d_decoder(config, tree):
-    return SpecDecoder.create(ARDecoder(config, CACHE, eos_ids=()), S2DDrafter(config, trees.resolve(tree, 4), EXITS))
+def s2d_decoder(config, tree, lookup=0):
+    """S2D on its own, or giving way to prompt lookup where `lookup`+ tokens match."""
+    drafter = S2DDrafter(config, trees.resolve(tree, 4), EXITS)
+    return SpecDecoder.create(ARDecoder(config, CACHE, eos_ids=()), WithLookup(drafter, lookup) if lookup else drafter)
+
+
+def own_steps(state, tree_depth=4):
+    """Steps S2D drafted itself: each counts its root and every chain token but the deepest at their exits."""
+    counts = state["drafter"][0]["exit_counts"] if isinstance(state["drafter"], tuple) else state["drafter"]["exit_counts"]
+    return int(np.asarray(counts).sum()) // tree_depth
 
 
 def noisy_lora(params, config, seed, scale):
@@ -141,16 +151,30 @@ def test_greedy_s2d_equals_ar_of_its_target(config, tree, target):
     assert accepted > 0 and (exits > 0).all(), (accepted, exits)  # commits happened, every exit was used
 
 
-def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_are_never_read():
+@pytest.mark.parametrize("switch", [1, 2, 0], ids=["lookup-1", "lookup-2", "alone"])
+def test_greedy_s2d_giving_way_to_lookup_equals_ar(switch):
     params, draft = case(LLAMA, "float")
-    spec = s2d_decoder(LLAMA, "chain")
-    drafter, n = spec.drafter, len(EXITS)
+    ar, spec = ARDecoder(LLAMA, CACHE, eos_ids=()), s2d_decoder(LLAMA, "chain", switch)
+    for prompt in PROMPTS:
+        expected, _ = generate(ar, params, prompt, 40)
+        got, state = generate(spec, (params, draft), prompt, 40)
+        assert got == expected, prompt
+        if switch == 1:  # lookup drafted some steps, S2D the others
+            assert 0 < own_steps(state) < int(state["iteration"]), (own_steps(state), int(state["iteration"]))
+
+
+# With lookup, two of its steps in a row commit more than the next block 0 reaches back: `gave_way` keeps the cache.
+@pytest.mark.parametrize("lookup", [0, 1], ids=["alone", "giving-way-to-lookup"])
+def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_are_never_read(lookup):
+    params, draft = case(LLAMA, "float")
+    spec = s2d_decoder(LLAMA, "chain", lookup)
+    drafter, n = spec.drafter.inner if lookup else spec.drafter, len(EXITS)
     draft_step = jax.jit(drafter.draft, static_argnums=7)
     prefill = jax.jit(drafter.init_state)
     holes_then_deeper = 0
     for prompt, steps in ((PROMPTS[1], 25), (PROMPTS[2], 30)):
         _, state = generate(spec, (params, draft), prompt, steps)
-        d, length = state["drafter"], int(state["length"][0])
+        d, length = state["drafter"][0] if lookup else state["drafter"], int(state["length"][0])
         # The previous step's block 0 recomputed everything up to its root at full depth.
         last = int(state["accepted_log"][int(state["iteration"]) - 1])
         done = length - last - 1

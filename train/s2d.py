@@ -158,8 +158,9 @@ def sweep(draft_path: str, *, target_from: str | None = None, settings=SETTINGS,
     for name, load, tf in targets:
         m = load_model(model_name, progress=False, **load)
         assert target_key(m.quant, load["dtype"], tf is not None) == name
+        # lookup=0: the sweep times S2D's own exits, which prompt lookup's steps would dilute.
         built = {s: methods.build("s2d", m, max_cache_len=max_cache_len, dtype=load["dtype"], draft_path=draft_path,
-                                  thresholds=s, target_from=tf) for s in settings}
+                                  thresholds=s, target_from=tf, lookup=0) for s in settings}
         decoder = built[settings[0]].decoder
         start, decode = jax.jit(decoder.start), jax.jit(decoder.decode)
         runs = {s: [] for s in settings}

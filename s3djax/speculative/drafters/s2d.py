@@ -160,8 +160,8 @@ class S2DDrafter(ChainDrafter):
                 "reached": jnp.full((b, s), len(self.exits), jnp.int32),          # segments each slot's K/V cover
                 "exit_counts": jnp.zeros(len(self.exits), jnp.int32)}             # drafted tokens per exit
 
-    def draft(self, params, draft, cache, length, last, state, key, sampling):
-        """Block 0 (the committed tail and the root, full depth) here; ChainDrafter drafts the rest."""
+    def _tail(self, params, draft, length, last, state):
+        """Block 0: the committed tail and the root through all N_d layers, (the root's hidden state [B, D], state)."""
         g, n = self.tree.depth, len(self.exits)
         b = last.shape[0]
         history = kv.put_rows(state["history"], last[:, None], length)
@@ -171,10 +171,20 @@ class S2DDrafter(ChainDrafter):
         hidden, dcache = self.full_depth(params, draft, tokens, positions, state["cache"], start, kv.causal(start, g + 1))
         root = jnp.take_along_axis(hidden, (length - start)[:, None, None], axis=1)[:, 0]
         reached = kv.put_rows(state["reached"], jnp.full((b, g + 1), n, jnp.int32), start)
+        return root, {**state, "cache": dcache, "history": history, "reached": reached}
+
+    def draft(self, params, draft, cache, length, last, state, key, sampling):
+        """Block 0 here; ChainDrafter drafts the rest."""
+        root, state = self._tail(params, draft, length, last, state)
         # The root's proposal was paid for at full depth: it comes from the deepest exit.
-        state = {**state, "cache": dcache, "history": history, "reached": reached,
-                 "exit_counts": state["exit_counts"].at[n - 1].add(b), "root_logits": self.exit_logits(params, draft, root)}
+        state = {**state, "exit_counts": state["exit_counts"].at[len(self.exits) - 1].add(last.shape[0]),
+                 "root_logits": self.exit_logits(params, draft, root)}
         return super().draft(params, draft, cache, length, last, state, key, sampling)
+
+    def gave_way(self, params, draft, cache, length, last, nodes, state):
+        """Another source drafted the chain: block 0 alone, since the next one reaches back only gamma slots and two
+        such steps in a row would otherwise leave committed slots it never recomputed."""
+        return cache, self._tail(params, draft, length, last, state)[1]
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
         state = dict(state)
