@@ -56,9 +56,9 @@ def main():
     m = load_model("smollm2-135m", progress=False)
     sets = {name: [q["ids"] for q in prompts(name, m.tokenizer, limits.get(name))] for name in datasets}
     listed = lambda text, kind=str: [kind(v) for v in text.split(",")] if text else [None]  # noqa: E731
-    axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")], "gamma": listed(args.gamma, int),
-            "max_draft": listed(args.max_draft, int), "tree": listed(args.tree), "lookup": listed(args.lookup, int),
-            "draft_weights": listed(args.draft_weights)}
+    axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")],
+            "gamma": listed(args.gamma, int), "max_draft": listed(args.max_draft, int), "tree": listed(args.tree),
+            "lookup": listed(args.lookup, int), "draft_weights": listed(args.draft_weights)}
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
     for combo in itertools.product(*axes.values()):
         opts = dict(zip(axes, combo))

@@ -46,9 +46,9 @@ def s2d_decoder(config, tree, lookup=0):
 
 
 def own_steps(state, tree_depth=4):
-    """Steps S2D drafted itself: each counts its root and every chain token but the deepest at their exits."""
-    counts = state["drafter"][0]["exit_counts"] if isinstance(state["drafter"], tuple) else state["drafter"]["exit_counts"]
-    return int(np.asarray(counts).sum()) // tree_depth
+    """Steps S2D drafted itself, giving way to lookup: each counts its root and every chain token but the deepest at
+    their exits."""
+    return int(np.asarray(state["drafter"][0]["exit_counts"]).sum()) // tree_depth
 
 
 def noisy_lora(params, config, seed, scale):
