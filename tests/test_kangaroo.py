@@ -227,6 +227,26 @@ def test_the_loss_is_the_teacher_entropy_when_the_draft_is_the_target():
     assert float(entropy.min()) - 1e-4 <= float(loss) <= float(entropy.max()) + 1e-4
 
 
+def test_the_data_target_on_greedy_answers_is_the_greedy_target():
+    from train.kangaroo import kangaroo_loss
+
+    # On the target's own greedy continuation each next data token is the teacher's argmax, so the
+    # teacher-free labels must give the same loss and agreement; a label off by one position would not.
+    config, exit_layer = LLAMA, 2
+    params, adapter = near_oracle(random_params(config, 3), config, exit_layer, 4)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, 5)]
+    tokens = jnp.asarray([prompt + list(ar_runner(config, params).generate(prompt, 27).tokens)], jnp.int32)
+    answer = jnp.asarray([[0] * 5 + [1] * 27], jnp.int32)  # positions are drawn where the next token is the answer's
+    batch = {"tokens": tokens, "loss_mask": answer, "lengths": jnp.asarray([32])}
+    loss = {target: jax.jit(lambda *a, target=target: kangaroo_loss(
+        *a, config=config, exit_layer=exit_layer, num_positions=12, target=target))(adapter, params, batch, jax.random.key(0))
+        for target in ("data", "greedy")}
+    (data_loss, data_sums), (greedy_loss, greedy_sums) = loss["data"], loss["greedy"]
+    assert float(data_sums["depth_count"][0]) == 12 and 0 < float(data_sums["depth_correct"][0]) < 12
+    assert float(data_sums["depth_correct"][0]) == float(greedy_sums["depth_correct"][0])
+    np.testing.assert_allclose(float(data_loss), float(greedy_loss), rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from train import prepare_data

@@ -1,7 +1,8 @@
 """Train a Kangaroo adapter: python -m train.kangaroo --config configs/train/kangaroo-smollm2-cpu.yaml [key=value ...]
 
 The adapter learns to map the target's layer-l exit states to the full model's next-token
-distribution (paper Eq. 3: soft cross-entropy against the target's probabilities). Only the adapter
+distribution (`target: kl`, paper Eq. 3: soft cross-entropy against the target's probabilities), or to the
+self-distilled answers' own tokens (`target: data`, no teacher pass). Only the adapter
 trains; the target is frozen, so verified output is exactly the original model's.
 Rerunning the same command resumes from the last checkpoint in `out`; a finished run re-exports.
 Writes to `out`: checkpoints/, metrics.jsonl, loss.png, config.json and draft.npz (the adapter), the artifact
@@ -30,14 +31,19 @@ from train.objectives import sample_anchors
 from train.trainable import warm_start
 
 
-def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_layer: int, num_positions: int):
-    """(loss, sums): sum_v -p_target(v) log q(v), averaged over `num_positions` positions per row drawn from
-    those whose next token is trained on. q is the draft (layers 0..l-1, adapter, shared norm and head)
-    with the adapter run causally over the whole sequence, as its cache sees the committed context at
-    inference. Only the drawn positions go through the 49k-token head, which with the 30-layer teacher
-    pass is most of a step's work.
+def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_layer: int, num_positions: int,
+                  target: str = "kl"):
+    """(loss, sums) over `num_positions` positions per row drawn from those whose next token is trained on.
+    q is the draft (layers 0..l-1, adapter, shared norm and head) with the adapter run causally over the whole
+    sequence, as its cache sees the committed context at inference. Targets:
+      "kl": sum_v -p_target(v) log q(v), the paper's Eq. 3, from a full teacher pass;
+      "greedy": cross-entropy on the teacher's argmax;
+      "data": cross-entropy on the data's next token. On self-distilled answers that token is the target's own
+        float32 greedy choice, so this skips the teacher pass through the layers above the exit, most of a
+        step's work on a CPU.
 
-    sums: one head's "depth_loss", "depth_correct" (draft top-1 == target argmax), "depth_count".
+    sums: one head's "depth_loss", "depth_correct" (draft top-1 == the label: the teacher's argmax, or the data's
+    token under "data"), "depth_count".
     """
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]
     b, t = tokens.shape
@@ -51,16 +57,24 @@ def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_laye
     x = shallow.apply(variables, tokens, method="embed_tokens")
     exits, cache = shallow.apply(variables, x, positions, kv.init_cache(config, b, t, dtype), zeros, mask,
                                  method="run_layers")
-    final, _ = deep.apply(variables, exits, positions, cache, zeros, mask, method="run_layers")
     hidden, _ = adapter_hidden(adapter, jax.lax.stop_gradient(exits), kv.init_cache(config, b, t, dtype)[0], positions,
                                zeros, mask, config=config)
     at, valid = sample_anchors(key, loss_mask, lengths, num_positions)  # position i predicts token i + 1
     pick = lambda x: jnp.take_along_axis(x, at[..., None], axis=1)
-    teacher = jax.lax.stop_gradient(deep.apply(variables, pick(final), method="exit_logits"))
     student = draft_logits(params, pick(hidden), config)
+    log_q = jax.nn.log_softmax(student)
+    if target == "data":
+        label = jnp.take_along_axis(tokens, at + 1, axis=1)
+    else:
+        final, _ = deep.apply(variables, exits, positions, cache, zeros, mask, method="run_layers")
+        teacher = jax.lax.stop_gradient(deep.apply(variables, pick(final), method="exit_logits"))
+        label = jnp.argmax(teacher, axis=-1)
+    if target == "kl":
+        per = -jnp.sum(jax.nn.softmax(teacher) * log_q, axis=-1)
+    else:
+        per = -jnp.take_along_axis(log_q, label[..., None], axis=-1)[..., 0]
     weight = valid.astype(jnp.float32)
-    per = -jnp.sum(jax.nn.softmax(teacher) * jax.nn.log_softmax(student), axis=-1)
-    correct = (jnp.argmax(student, axis=-1) == jnp.argmax(teacher, axis=-1)).astype(jnp.float32)
+    correct = (jnp.argmax(student, axis=-1) == label).astype(jnp.float32)
     sums = {"depth_loss": jnp.sum(per * weight)[None], "depth_correct": jnp.sum(correct * weight)[None],
             "depth_count": jnp.sum(weight)[None]}
     return sums["depth_loss"][0] / jnp.maximum(sums["depth_count"][0], 1.0), sums
@@ -71,13 +85,14 @@ class KangarooTask:
     config: ModelConfig
     exit_layer: int
     num_positions: int  # trained positions per row: anchor_fraction of the row length
+    target: str
     name = "kangaroo"
 
     @classmethod
     def create(cls, m, cfg: TrainConfig, max_len: int) -> "KangarooTask":
         layers = m.config.num_layers
         return cls(m.config, check_exit_layer(cfg.exit_layer or default_exit_layer(layers), layers),
-                   max(1, round(cfg.anchor_fraction * max_len)))
+                   max(1, round(cfg.anchor_fraction * max_len)), cfg.target)
 
     def init_trainable(self, m, cfg: TrainConfig, key):
         # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
@@ -91,7 +106,7 @@ class KangarooTask:
 
     def loss(self, trainable, frozen, batch, key):
         return kangaroo_loss(trainable, frozen, batch, key, config=self.config, exit_layer=self.exit_layer,
-                             num_positions=self.num_positions)
+                             num_positions=self.num_positions, target=self.target)
 
     def export(self, out, trained, meta):
         from s3djax.speculative.draft_params import save_artifact
