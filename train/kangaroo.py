@@ -27,7 +27,7 @@ from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_adapter,
 from train.config import TrainConfig
 from train import loop
 from train.loop import train
-from train.objectives import sample_anchors
+from train.objectives import _cross_entropy, sample_anchors
 from train.trainable import warm_start
 
 
@@ -62,7 +62,6 @@ def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_laye
     at, valid = sample_anchors(key, loss_mask, lengths, num_positions)  # position i predicts token i + 1
     pick = lambda x: jnp.take_along_axis(x, at[..., None], axis=1)
     student = draft_logits(params, pick(hidden), config)
-    log_q = jax.nn.log_softmax(student)
     if target == "data":
         label = jnp.take_along_axis(tokens, at + 1, axis=1)
     else:
@@ -70,9 +69,9 @@ def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_laye
         teacher = jax.lax.stop_gradient(deep.apply(variables, pick(final), method="exit_logits"))
         label = jnp.argmax(teacher, axis=-1)
     if target == "kl":
-        per = -jnp.sum(jax.nn.softmax(teacher) * log_q, axis=-1)
+        per = -jnp.sum(jax.nn.softmax(teacher) * jax.nn.log_softmax(student), axis=-1)
     else:
-        per = -jnp.take_along_axis(log_q, label[..., None], axis=-1)[..., 0]
+        per = _cross_entropy(student, label)
     weight = valid.astype(jnp.float32)
     correct = (jnp.argmax(student, axis=-1) == label).astype(jnp.float32)
     sums = {"depth_loss": jnp.sum(per * weight)[None], "depth_correct": jnp.sum(correct * weight)[None],
