@@ -18,7 +18,7 @@ from s3djax.decode import ARDecoder, Runner
 from s3djax.errors import UserError
 from s3djax.methods import Options
 from s3djax.speculative import draft_vocab, verify
-from s3djax.speculative.draft_params import save_artifact
+from s3djax.speculative.draft_params import load_artifact, save_artifact
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
 from s3djax.speculative.drafters.lookup import WithLookup
 from s3djax.speculative.loop import SpecDecoder
@@ -280,7 +280,9 @@ def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
     m = tiny_model()
     from train.kangaroo import KangarooTask
 
-    warm = tiny_config(data, str(tmp_path / "warm"), exit_layer=2, init_from=resumed["path"])
+    # A config that names no target trains the paper's soft targets (Eq. 3), as the artifact records.
+    warm = tiny_config(data, str(tmp_path / "warm"), exit_layer=2, init_from=resumed["path"], target="")
+    assert KangarooTask.create(m, warm, 64).target == load_artifact(resumed["path"], np.float32)[1]["target"] == "kl"
     start = KangarooTask.create(m, warm, 64).init_trainable(m, warm, jax.random.key(0))
     jax.tree.map(np.testing.assert_array_equal, start, resumed["trainable"])
     save_artifact(str(tmp_path / "other.npz"), {"attn_norm": {"scale": np.ones(3, np.float32)}}, {})

@@ -1,5 +1,6 @@
 """The training loop: it learns, resumes exactly after SIGKILL, and shards without changing the math."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -66,6 +67,8 @@ def test_a_warm_start_begins_from_the_given_draft(data, tmp_path):
     cfg = tiny_config(data, str(tmp_path / "second"), init_from=str(tmp_path / "first" / "draft.npz"))
     start = S3DTask.create(m, cfg, 64).init_trainable(m, cfg, jax.random.key(1))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(first)))
+    # A config that names no target trains the paper's (Eq. 9), and the task, hence the artifact, says so.
+    assert S3DTask.create(m, dataclasses.replace(cfg, target=""), 64).cfg.target == "data"
     other = tiny_config(data, str(tmp_path / "third"), lora_rank=2, init_from=cfg.init_from)
     with pytest.raises(UserError, match="not a lossless draft of this plan, LoRA rank and correction rank"):
         S3DTask.create(m, other, 64).init_trainable(m, other, jax.random.key(1))

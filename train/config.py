@@ -24,7 +24,7 @@ class TrainConfig:
     skip: str = ""                   # layers the draft skips; "" is the symmetric-middle default
     gamma: int = 4
     lora_rank: int = 16              # lossless mode's adapters on the kept sub-layers; 0 trains <M> only
-    target: str = "data"             # data (paper Eq. 9) | greedy | kl (distil the full model)
+    target: str = ""                 # data | greedy | kl (distil the full model); "": the method's paper's
     lm_weight: float = 1.0           # full mode: weight of the next-token term that keeps the target good
     anchor_fraction: float = 0.15
     init_from: str | None = None     # a draft file of the same shape to start from (warm start)
@@ -57,7 +57,7 @@ class TrainConfig:
         from train.objectives import TARGETS
 
         checks = [(self.mode in MODES, f"mode must be one of {', '.join(MODES)}"),
-                  (self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
+                  (self.target in ("",) + TARGETS, f"target must be one of {', '.join(TARGETS)}"),
                   (self.schedule in SCHEDULES, f"schedule must be one of {', '.join(SCHEDULES)}"),
                   (self.compute_dtype in ("bfloat16", "float32"), "compute_dtype must be bfloat16 or float32"),
                   (self.gamma >= 1, "gamma must be at least 1"),
@@ -74,6 +74,11 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise UserError(f"invalid training config: {message}")
+
+    def objective(self, paper: str) -> "TrainConfig":
+        """This config with the method's paper objective as its target where it names none: the
+        artifact's metadata then records what was trained."""
+        return self if self.target else dataclasses.replace(self, target=paper)
 
     @classmethod
     def load(cls, path: str | None, overrides: list[str] = ()) -> "TrainConfig":

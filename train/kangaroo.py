@@ -27,7 +27,7 @@ from s3djax.speculative.drafters.kangaroo import (adapter_hidden, check_adapter,
 from train.config import TrainConfig
 from train import loop
 from train.loop import train
-from train.objectives import _cross_entropy, sample_anchors
+from train.objectives import TARGETS, _cross_entropy, sample_anchors
 from train.trainable import warm_start
 
 
@@ -70,8 +70,10 @@ def kangaroo_loss(adapter, params, batch, key, *, config: ModelConfig, exit_laye
         label = jnp.argmax(teacher, axis=-1)
     if target == "kl":
         per = -jnp.sum(jax.nn.softmax(teacher) * jax.nn.log_softmax(student), axis=-1)
-    else:
+    elif target in ("greedy", "data"):
         per = _cross_entropy(student, label)
+    else:
+        raise ValueError(f"unknown target {target!r}; choose from {TARGETS}")
     weight = valid.astype(jnp.float32)
     correct = (jnp.argmax(student, axis=-1) == label).astype(jnp.float32)
     sums = {"depth_loss": jnp.sum(per * weight)[None], "depth_correct": jnp.sum(correct * weight)[None],
@@ -91,7 +93,7 @@ class KangarooTask:
     def create(cls, m, cfg: TrainConfig, max_len: int) -> "KangarooTask":
         layers = m.config.num_layers
         return cls(m.config, check_exit_layer(cfg.exit_layer or default_exit_layer(layers), layers),
-                   max(1, round(cfg.anchor_fraction * max_len)), cfg.target)
+                   max(1, round(cfg.anchor_fraction * max_len)), cfg.objective("kl").target)
 
     def init_trainable(self, m, cfg: TrainConfig, key):
         # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
@@ -111,7 +113,7 @@ class KangarooTask:
         from s3djax.speculative.draft_params import save_artifact
 
         path = os.path.join(out, "draft.npz")  # the name every training run exports, which the tooling reads
-        save_artifact(path, trained, {**meta, "method": "kangaroo", "exit_layer": self.exit_layer,
+        save_artifact(path, trained, {**meta, "method": "kangaroo", "exit_layer": self.exit_layer, "target": self.target,
                                       "held_out_acc": meta["held_out_depth_acc"][0]})
         return path
 

@@ -101,7 +101,8 @@ class S2DTask:
 
     @classmethod
     def create(cls, m, cfg: TrainConfig, max_len: int) -> "S2DTask":
-        return cls(cfg, m.config, parse_exits(cfg.exits, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
+        return cls(cfg.objective("data"), m.config, parse_exits(cfg.exits, m.config.num_layers),
+                   max(1, round(cfg.anchor_fraction * max_len)))
 
     def init_trainable(self, m, cfg: TrainConfig, key):
         return warm_start({"lora": init_lora(m.params, m.config, self.exits[-1], cfg.lora_rank, key)}, cfg.init_from,

@@ -40,7 +40,8 @@ class S3DTask:
 
     @classmethod
     def create(cls, m, cfg: TrainConfig, max_len: int) -> "S3DTask":
-        return cls(cfg, m.config, draft_plan(cfg, m.config.num_layers), max(1, round(cfg.anchor_fraction * max_len)))
+        return cls(cfg.objective("data"), m.config, draft_plan(cfg, m.config.num_layers),
+                   max(1, round(cfg.anchor_fraction * max_len)))
 
     def init_trainable(self, m, cfg: TrainConfig, key):
         from s3djax.speculative.draft_params import load_draft
