@@ -245,6 +245,9 @@ def test_the_data_target_on_greedy_answers_is_the_greedy_target():
     assert float(data_sums["depth_count"][0]) == 12 and 0 < float(data_sums["depth_correct"][0]) < 12
     assert float(data_sums["depth_correct"][0]) == float(greedy_sums["depth_correct"][0])
     np.testing.assert_allclose(float(data_loss), float(greedy_loss), rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown target 'nope'"):  # refused, not trained as a hard target
+        kangaroo_loss(adapter, params, batch, jax.random.key(0), config=config, exit_layer=exit_layer, num_positions=12,
+                      target="nope")
 
 
 @pytest.fixture(scope="module")

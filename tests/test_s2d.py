@@ -243,6 +243,7 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     warm = dataclasses.replace(cfg, init_from=result["path"])
     start = S2DTask.create(m, warm, 64).init_trainable(m, warm, jax.random.key(1))
     jax.tree.map(np.testing.assert_array_equal, start, {"lora": result["trainable"]["lora"]})
+    assert S2DTask.create(m, dataclasses.replace(warm, target=""), 64).cfg.target == "data"  # the paper's labels
     deeper = dataclasses.replace(warm, exits="1,2,3")
     with pytest.raises(UserError, match="not an S2D nested draft of depth 3 and LoRA rank 2"):
         S2DTask.create(m, deeper, 64).init_trainable(m, deeper, jax.random.key(1))
