@@ -72,6 +72,13 @@ def test_a_warm_start_begins_from_the_given_draft(data, tmp_path):
     other = tiny_config(data, str(tmp_path / "third"), lora_rank=2, init_from=cfg.init_from)
     with pytest.raises(UserError, match="not a lossless draft of this plan, LoRA rank and correction rank"):
         S3DTask.create(m, other, 64).init_trainable(m, other, jax.random.key(1))
+    # A higher rank grows the file's adapters: the same draft to start with, and room to learn more.
+    wider = tiny_config(data, str(tmp_path / "fourth"), lora_rank=8, init_from=cfg.init_from)
+    grown = S3DTask.create(m, wider, 64).init_trainable(m, wider, jax.random.key(1))
+    pairs = [(old, new) for old, new in zip(first["lora"], grown["lora"]) if old]
+    assert pairs and all(new[n]["a"].shape[1] == 8 and np.allclose(old[n]["a"] @ old[n]["b"], new[n]["a"] @ new[n]["b"])
+                         and np.any(new[n]["a"][:, 4:]) for old, new in pairs for n in old)
+    assert np.array_equal(grown["mask_embed"], first["mask_embed"])
 
 
 def test_a_correction_trained_on_a_frozen_draft_leaves_the_draft_and_learns(data, tmp_path):

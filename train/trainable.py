@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
@@ -44,14 +45,27 @@ def warm_start(fresh: dict, path: str | None, what: str, load=None) -> dict:
     """`fresh` (the trainable tree a task starts from), or the same tree read from a draft file (init_from).
 
     Entries the file holds beyond the trainable ones are left out, and entries it lacks keep their fresh
-    start (a correction added to a trained draft); any other difference in structure or shape is one line
-    of error. `load(path)` reads the file (default `load_artifact` in float32).
+    start (a correction added to a trained draft). A lower-rank adapter or correction grows: its arrays
+    fill the leading rows and columns of the fresh ones, whose output side starts at 0, so the draft
+    starts exactly as the file's. Any other difference in structure or shape is one line of error.
+    `load(path)` reads the file (default `load_artifact` in float32).
     """
     if not path:
         return fresh
     start, _ = load(path) if load else load_artifact(path, jnp.float32)
     start = {k: start.get(k, v) for k, v in fresh.items()}
-    if jax.tree.structure(start) != jax.tree.structure(fresh) or \
-            jax.tree.map(jnp.shape, start) != jax.tree.map(jnp.shape, fresh):
+    if jax.tree.structure(start) != jax.tree.structure(fresh) or not all(
+            np.ndim(a) == np.ndim(b) and all(i <= j for i, j in zip(np.shape(a), np.shape(b)))
+            for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(fresh))) or \
+            not all(_grows_exactly(k, start[k], fresh[k]) for k in fresh):
         raise UserError(f"init_from {path} is not {what}")
-    return start
+    return jax.tree.map(lambda a, b: jnp.asarray(b).at[tuple(slice(0, n) for n in np.shape(a))].set(a), start, fresh)
+
+
+def _grows_exactly(name: str, start, fresh) -> bool:
+    """Only adapters and corrections may grow, and only in their rank: the extra output rows are 0 there."""
+    if jax.tree.map(np.shape, start) == jax.tree.map(np.shape, fresh):
+        return True
+    return name in ("lora", "correction") and all(
+        not np.any(np.asarray(b)[np.shape(a)[0]:])
+        for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(fresh)) if np.shape(a)[0] < np.shape(b)[0])
