@@ -125,7 +125,7 @@ def test_missing_shards_say_how_to_make_them(tmp_path):
     # A clone has the committed distilled answers' manifest and parts, not the shards git ignores.
     manifest = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train/distilled/smollm2-sharegpt-10k/manifest.json")
     shutil.copy(manifest, tmp_path)
-    answered = sum(split["rows"] for split in json.load(open(manifest))["splits"].values())  # 10,000
+    answered = sum(split["rows"] for split in json.load(open(manifest))["splits"].values())  # 14,080
     with pytest.raises(UserError, match=r"lacks its shard train-00000.npz: rerun the `python -m train.distill "
                                         rf"--out {tmp_path}` that made it with --prompts {answered},"):
         Shards(str(tmp_path), "train")
