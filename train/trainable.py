@@ -63,7 +63,8 @@ def warm_start(fresh: dict, path: str | None, what: str, load=None) -> dict:
 
 
 def _grows_exactly(name: str, start, fresh) -> bool:
-    """Only adapters and corrections may grow, and only in their rank: the extra output rows are 0 there."""
+    """Only adapters and corrections may grow, and only where the fresh arrays' extra rows are 0 (their rank
+    dimension on the output side), so that the grown draft computes what the file's did."""
     if jax.tree.map(np.shape, start) == jax.tree.map(np.shape, fresh):
         return True
     return name in ("lora", "correction") and all(
