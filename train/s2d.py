@@ -70,10 +70,15 @@ def soft_loss(params, lora, batch, key, *, config: ModelConfig, exits: tuple[int
     weight = valid.astype(jnp.float32)
     pick = lambda h: jnp.take_along_axis(h, at[..., None], axis=1)
     decoder, variables = Decoder(config), {"params": params}
-    full_hidden, _ = forward_sequence(params, tokens, config=config)
-    full = jax.lax.stop_gradient(decoder.apply(variables, pick(full_hidden), method="logits"))
-    greedy = jnp.argmax(full, axis=-1)
-    labels = {"data": jnp.take_along_axis(tokens, at + 1, axis=1), "greedy": greedy}.get(target)
+    if target == "data":
+        # On self-distilled answers the data's token is the target's own float32 greedy choice, so the teacher
+        # pass through all the layers, most of a step's work on a CPU, is not needed.
+        labels = greedy = jnp.take_along_axis(tokens, at + 1, axis=1)
+    else:
+        full_hidden, _ = forward_sequence(params, tokens, config=config)
+        full = jax.lax.stop_gradient(decoder.apply(variables, pick(full_hidden), method="logits"))
+        greedy = jnp.argmax(full, axis=-1)
+        labels = greedy if target == "greedy" else None
     sums = {"depth_loss": [], "depth_correct": [], "depth_count": []}
     for h in exit_hidden(params, lora, tokens, config=config, exits=exits):
         logits = decoder.apply(variables, pick(h), method="exit_logits")
