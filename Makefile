@@ -49,8 +49,9 @@ generate: setup
 
 # Most tests are single-threaded XLA compiles: two workers (four at most, each loads SmolLM2) cut
 # the 2-core CI run by about a third. loadgroup keeps a group's tests (xdist_group) on one worker.
+# The slowest tests are listed at the end, so that a run shows where its time went.
 test: setup cuda-env
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup tests
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=15 tests
 
 # What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,
 # in .carry/ (git-ignored), each part small enough to travel with the working tree in one device call:
