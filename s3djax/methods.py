@@ -70,7 +70,7 @@ class Options:
     target_from: str | None = None  # s2d: verify with a full-mode s3d draft's fine-tuned layers
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
     lookup: int | None = None       # s3d, self-spec, kangaroo, s2d: a chain gives way to lookup's where N+ tokens match
-    draft_weights: str | None = None  # s3d, self-spec, kangaroo: the draft's own weights in int8 (None: measured fastest)
+    draft_weights: str | None = None  # s3d, self-spec, kangaroo, s2d: the draft's own weights in int8 (None: measured fastest)
 
 
 def options(args, method: str) -> dict:

@@ -1,6 +1,6 @@
-"""S2D: greedy output equals each target's ar token for token, alone and giving way to prompt lookup, early exits
-and lookup's steps keep the draft cache exact, SoFT's gradients reach every exit, and a tiny training run writes an
-artifact `--method s2d` loads."""
+"""S2D: greedy output equals each target's ar token for token, alone and giving way to prompt lookup, with int8
+copies of the draft's layers too, early exits and lookup's steps keep the draft cache exact, SoFT's gradients reach
+every exit, and a tiny training run writes an artifact `--method s2d` loads."""
 
 import dataclasses
 import functools
@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from s3djax import cache as kv
 from s3djax import model, quant
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
-from s3djax.speculative import draft_vocab
+from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import draft_vocab, draft_weights
 from s3djax.speculative import tree as trees
 from s3djax.speculative.drafters.s2d import S2DDrafter, first_exit
 from s3djax.speculative.drafters.lookup import WithLookup
@@ -73,6 +75,10 @@ def case(config, target: str):
     if target == "int8":
         return quant.apply(original, "int8", jnp.float32), draft  # the draft runs on the int8 layers too
     draft["layers"] = model.layers_of(original)[:EXITS[-1]]
+    if target == "int8-draft":  # int8 copies of the base layers under the adapters; the target stays float
+        n = config.num_layers
+        return original, draft_weights.attach(draft, original, "int8", jnp.float32,
+                                              plan=SkipPlan.skipping_layers(n, range(EXITS[-1], n)))
     if target == "vocab":  # a draft vocabulary of the even tokens: the odd ones are never drafted
         return original, draft_vocab.attach(draft, {"vocab": list(range(0, config.vocab_size, 2))}, original)
     if target == "other-layers":
@@ -103,7 +109,6 @@ def test_first_exit_is_the_first_passing_exit_and_the_last_one_always_stops():
 
 
 def test_the_nested_forward_stops_where_first_exit_says():
-    from s3djax import cache as kv
     from s3djax.speculative.drafters.s2d import confidence
 
     params, draft = case(LLAMA, "float")
@@ -134,7 +139,8 @@ def test_the_nested_forward_stops_where_first_exit_says():
     np.testing.assert_allclose(got, logits[want, jnp.arange(t)], atol=1e-4)
 
 
-CASES = [(LLAMA, "chain", "float"), (LLAMA, "chain", "other-layers"), (PHI3, "top2", "int8"), (LLAMA, "top2", "vocab")]
+CASES = [(LLAMA, "chain", "float"), (LLAMA, "chain", "other-layers"), (PHI3, "top2", "int8"), (LLAMA, "top2", "vocab"),
+         (PHI3, "chain", "int8-draft")]
 
 
 @pytest.mark.parametrize("config, tree, target", CASES, ids=[f"{c.arch}-{t}-{k}" for c, t, k in CASES])
@@ -149,6 +155,25 @@ def test_greedy_s2d_equals_ar_of_its_target(config, tree, target):
         exits += np.asarray(state["drafter"]["exit_counts"])
         accepted += int(np.asarray(state["accepted_log"]).clip(0).sum())
     assert accepted > 0 and (exits > 0).all(), (accepted, exits)  # commits happened, every exit was used
+
+
+def test_an_int8_draft_reads_int8_copies_of_its_base_layers():
+    params, draft = case(LLAMA, "float")
+    draft8 = case(LLAMA, "int8-draft")[1]
+    assert sorted(map(int, draft8["weights"])) == list(range(EXITS[-1]))
+    assert all(quant.is_int8(w) for w in jax.tree.leaves(draft8["weights"], is_leaf=quant.is_weight))
+    drafter = S2DDrafter(LLAMA, trees.TreeSpec.chain(4), EXITS)
+    tokens, t = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]]), 8
+    zero = jnp.zeros(1, jnp.int32)
+    cache = kv.init_cache(LLAMA.replace(num_layers=EXITS[-1]), 1, t)
+    hidden = jax.jit(lambda p, d: drafter.full_depth(p, d, tokens, jnp.arange(t)[None], cache, zero,
+                                                     kv.causal_mask(zero, t, t))[0])
+    got = hidden(params, draft8)
+    # Exactly the int8 copies: the float draft over their dequantized values; the target's own weights differ.
+    rounded = {k: v for k, v in draft.items() if k != "layers"}
+    np.testing.assert_allclose(got, hidden(draft_weights.of(params, quant.dequantize_tree(draft8)), rounded),
+                               rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, hidden(params, draft), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("switch", [1, 2, 0], ids=["lookup-1", "lookup-2", "alone"])

@@ -283,12 +283,14 @@ def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smo
     from s3djax import methods, quant
 
     int8 = lambda tree: [quant.is_int8(w) for w in jax.tree.leaves(tree, is_leaf=quant.is_weight) if quant.is_weight(w)]
-    for method in ("s3d", "self-spec", "kangaroo"):
+    for method in ("s3d", "self-spec", "kangaroo", "s2d"):
         built = methods.build(method, smollm2, max_cache_len=128)
         target, draft = built.params
         assert "draft weights int8" in built.draft and quant.mode_of(target) == "none" and all(int8(draft["head"]))
         if method == "kangaroo":  # its layers are the target's own; its adapter is its own
             assert "weights" not in draft and int8(draft["attn"]) == [True] * 4
+        elif method == "s2d":  # its base layers, under its own adapters
+            assert sorted(map(int, draft["weights"])) == list(range(8)) and int8(draft["weights"]) == [True] * 8 * 7
         else:
             plan = built.decoder.drafter.plan
             # Only the sub-layers the plan runs: 4 attention and 3 MLP linears each.

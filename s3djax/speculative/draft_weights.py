@@ -6,8 +6,9 @@ step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip 
 gets int8 copies of the sub-layers its plan runs, as "weights": {i: {"attn" and/or "mlp": layer i's
 linears in int8}}, the rest of the layer (its norms) read from the target's own arrays; verification
 rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
-("attn") go int8 too. Kangaroo's and S2D's shared layers stay the target's: their verification reuses the
-states their draft computed there.
+("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
+draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), under its
+own adapters and in its own cache, which it recomputes itself.
 """
 
 from __future__ import annotations

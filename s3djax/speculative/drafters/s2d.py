@@ -48,7 +48,7 @@ from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder, with_layers
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import draft_vocab
+from s3djax.speculative import draft_vocab, draft_weights
 from s3djax.speculative.drafters.chain import ChainDrafter
 from s3djax.speculative.tree import TreeSpec
 
@@ -93,8 +93,8 @@ class S2DDrafter(ChainDrafter):
         """Layers e_{j-1} .. e_j - 1 on their slice of the draft cache."""
         if "layers" in draft:  # the original layers, where the target's differ
             params = with_layers(params, dict(enumerate(draft["layers"])))
-        return run_segment(self.config, params, *self.segments[j], x, positions, seg_cache, slot, mask,
-                           lora=draft.get("lora"))
+        return run_segment(self.config, draft_weights.of(params, draft), *self.segments[j], x, positions, seg_cache,
+                           slot, mask, lora=draft.get("lora"))
 
     def exit_logits(self, params, draft, hidden):
         """The shared final norm and LM head, or a draft vocabulary's rows of it."""

@@ -14,7 +14,7 @@ from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.model import layers_of
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import draft_vocab
+from s3djax.speculative import draft_vocab, draft_weights
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.s2d import S2DDrafter
 
@@ -106,6 +106,10 @@ def build_s2d(m, ar, opts, dtype: str):
         thresholds, source = default_thresholds(len(exits)), "fallback"
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
     draft = draft_vocab.attach(draft, meta, m.params)
+    # int8 copies of the draft's base layers (the original model's, whatever the target): its cache is its own.
+    n = m.config.num_layers
+    draft = draft_weights.attach(draft, m.params, opts.draft_weights, DTYPES[dtype],
+                                 plan=SkipPlan.skipping_layers(n, range(exits[-1], n)))
 
     # The draft file may carry the tree and deepest draft measured fastest; the paper's chain of 6 otherwise.
     tree = spine(opts.tree, opts.max_draft, meta, 6, "s2d")
@@ -114,7 +118,7 @@ def build_s2d(m, ar, opts, dtype: str):
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
              f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree)}, extra draft memory "
-             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta))
+             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta) + draft_weights.about(draft))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
 
