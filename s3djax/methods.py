@@ -184,7 +184,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
                  f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}" + about_lookup
                  + draft_vocab.about(meta)
-                 + draft_weights.about(draft)
+                 + draft_weights.about(draft, params)
                  + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))
 
 
@@ -228,7 +228,7 @@ def _self_spec(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Buil
                                  plan=plan)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
                  f"skip {plan.spec()} ({about}), {about_spine(tree)}" + about_lookup + draft_vocab.about(meta)
-                 + draft_weights.about(draft))
+                 + draft_weights.about(draft, m.params))
 
 
 def _kangaroo(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:

@@ -162,6 +162,7 @@ def test_an_int8_draft_reads_int8_copies_of_its_base_layers():
     draft8 = case(LLAMA, "int8-draft")[1]
     assert sorted(map(int, draft8["weights"])) == list(range(EXITS[-1]))
     assert all(quant.is_int8(w) for w in jax.tree.leaves(draft8["weights"], is_leaf=quant.is_weight))
+    assert all(set(layer) == {"attn_norm", "mlp_norm"} for layer in draft8["layers"])  # no float linears kept
     drafter = S2DDrafter(LLAMA, trees.TreeSpec.chain(4), EXITS)
     tokens, t = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]]), 8
     zero = jnp.zeros(1, jnp.int32)
@@ -170,8 +171,8 @@ def test_an_int8_draft_reads_int8_copies_of_its_base_layers():
                                                      kv.causal_mask(zero, t, t))[0])
     got = hidden(params, draft8)
     # Exactly the int8 copies: the float draft over their dequantized values; the target's own weights differ.
-    rounded = {k: v for k, v in draft.items() if k != "layers"}
-    np.testing.assert_allclose(got, hidden(draft_weights.of(params, quant.dequantize_tree(draft8)), rounded),
+    without_layers = {k: v for k, v in draft.items() if k != "layers"}
+    np.testing.assert_allclose(got, hidden(draft_weights.of(params, quant.dequantize_tree(draft8)), without_layers),
                                rtol=1e-5, atol=1e-5)
     assert not np.allclose(got, hidden(params, draft), rtol=1e-5, atol=1e-5)
 

@@ -258,11 +258,16 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
 
     params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
     ids = jnp.arange(0, LLAMA.vocab_size, 3, dtype=jnp.int32)
-    draft = {**perturbed_draft(params, LLAMA, plan, 5), "vocab": ids, "head": params["lm_head"][ids]}
+    plain = perturbed_draft(params, LLAMA, plan, 5)
+    draft = {**plain, "vocab": ids, "head": params["lm_head"][ids]}
     draft8 = draft_weights.attach(draft, params, "int8", jnp.float32, plan=plan)
     kept = [i for i in range(LLAMA.num_layers) if i != 1]
     assert sorted(map(int, draft8["weights"])) == kept and quant.is_int8(draft8["head"])
     assert draft_weights.attach(draft, params, "none", jnp.float32, plan=plan) is draft
+    # Named where the draft has int8 weights of its own; an int8 target's copies are its own arrays.
+    params8 = quant.apply(params, "int8", jnp.float32)
+    assert draft_weights.about(draft8, params) == ", draft weights int8"
+    assert draft_weights.about(draft_weights.attach(plain, params8, "int8", jnp.float32, plan=plan), params8) == ""
 
     ar = ARDecoder(LLAMA, CACHE, eos_ids=())
     state = ar.start(params, jnp.asarray([list(range(40, 55))]), jnp.asarray([15]), jax.random.key(0))

@@ -8,12 +8,14 @@ linears in int8}}, the rest of the layer (its norms) read from the target's own 
 rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
 ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
 draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), under its
-own adapters and in its own cache, which it recomputes itself.
+own adapters and in its own cache, which it recomputes itself; under a changed target the float base layers it
+carries keep only their norms.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from s3djax import quant
 from s3djax.errors import UserError
@@ -51,6 +53,9 @@ def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan
         layers = quant.apply({layer_key(i): {part: params[layer_key(i)][part] for part in parts}
                               for i, parts in runs.items() if parts}, "int8", dtype)
         out["weights"] = {str(i): layers[layer_key(i)] for i, parts in runs.items() if parts}
+        if "layers" in draft:  # S2D's own float layers (under a changed target): the copies replace their linears
+            out["layers"] = [{k: v for k, v in layer.items() if k not in out["weights"].get(str(i), {})}
+                             for i, layer in enumerate(draft["layers"])]
     if "head" in draft:
         out["head"] = quant.table(draft["head"], "int8-all", dtype)
     return out
@@ -61,6 +66,8 @@ def of(params: dict, draft) -> dict:
     return with_layers(params, draft["weights"]) if isinstance(draft, dict) and "weights" in draft else params
 
 
-def about(draft) -> str:
+def about(draft, params) -> str:
+    """Named only where the draft reads int8 weights of its own: an int8 target's copies are its own arrays."""
+    shared = {id(a) for a in jax.tree.leaves(params)}
     return ", draft weights int8" if isinstance(draft, dict) and any(
-        quant.is_int8(w) for w in jax.tree.leaves(draft, is_leaf=quant.is_weight)) else ""
+        a.dtype == jnp.int8 and id(a) not in shared for a in jax.tree.leaves(draft)) else ""

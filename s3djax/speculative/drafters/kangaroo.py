@@ -240,4 +240,4 @@ def build_kangaroo(m, ar, opts, dtype: str):
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
                  f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, {about_spine(tree)}"
-                 + draft_vocab.about(meta) + draft_weights.about(adapter))
+                 + draft_vocab.about(meta) + draft_weights.about(adapter, m.params))

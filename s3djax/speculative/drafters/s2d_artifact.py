@@ -118,7 +118,7 @@ def build_s2d(m, ar, opts, dtype: str):
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
              f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree)}, extra draft memory "
-             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta) + draft_weights.about(draft))
+             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta) + draft_weights.about(draft, m.params))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
 
