@@ -19,10 +19,23 @@ from s3djax.skip_plan import SkipPlan
 METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup")
 
 
-# S3D's chain depth measured fastest per platform (benchmarks/results/defaults-kernel-cpu-2026-11-24.md: on
-# the 2-core CPU with the CPU matmul kernel, gamma 2 ran at 0.99x ar, 4 at 0.95x, 1 at 0.90x). No GPU has
-# measured it: the paper's 4.
-FASTEST_GAMMA = {"cpu": 2}
+# S3D's chain depth measured fastest per platform, the CPU kernels on, the shipped draft, lookup 1, MT-Bench 80 and
+# HumanEval 40. AVX2 (2-core Zen 3): gamma 2 1.43x / 1.48x ar, 3 1.39x / 1.46x
+# (benchmarks/results/s3d-gamma-14k-draft-cpu-2026-11-27). AVX-512 (2-core Zen 4), where a 5-token verify costs
+# 0.90x an AR step against 1.27x: 4 1.67x / 1.88x, 3 1.67x / 1.83x, 2 1.61x / 1.73x
+# (benchmarks/results/s3d-gamma-zen4-cpu-2026-11-28). No GPU has measured it: the paper's 4.
+FASTEST_GAMMA = {"cpu": 2, "cpu-avx512": 4}
+
+
+def gamma_platform() -> str:
+    """FASTEST_GAMMA's key here: the backend, told apart on a CPU by the vector unit its kernels run on."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        from cpu_kernels import matmul
+
+        if matmul.isa() == "avx512":
+            return "cpu-avx512"
+    return backend
 PAPER_GAMMA = 4
 # Prompt lookup's deepest draft and longest n-gram (transformers' prompt_lookup_num_tokens, vLLM's
 # prompt_lookup_max): max draft 2 measured fastest on the CPU, on MT-Bench and HumanEval alike
@@ -48,7 +61,7 @@ def default_gamma(tree: str | None) -> int:
 
     if tree and tree.startswith("dynamic-"):
         return PAPER_GAMMA
-    return trees.named_depth(tree) or FASTEST_GAMMA.get(jax.default_backend(), PAPER_GAMMA)
+    return trees.named_depth(tree) or FASTEST_GAMMA.get(gamma_platform(), PAPER_GAMMA)
 
 
 def default_draft_plan(num_layers: int) -> SkipPlan:
