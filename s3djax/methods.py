@@ -36,6 +36,8 @@ def gamma_platform() -> str:
         if matmul.isa() == "avx512":
             return "cpu-avx512"
     return backend
+
+
 PAPER_GAMMA = 4
 # Prompt lookup's deepest draft and longest n-gram (transformers' prompt_lookup_num_tokens, vLLM's
 # prompt_lookup_max): max draft 2 measured fastest on the CPU, on MT-Bench and HumanEval alike

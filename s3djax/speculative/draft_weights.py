@@ -70,4 +70,4 @@ def about(draft, params) -> str:
     """Named only where the draft reads int8 weights of its own: an int8 target's copies are its own arrays."""
     shared = {id(a) for a in jax.tree.leaves(params)}
     return ", draft weights int8" if isinstance(draft, dict) and any(
-        a.dtype == jnp.int8 and id(a) not in shared for a in jax.tree.leaves(draft)) else ""
+        getattr(a, "dtype", None) == jnp.int8 and id(a) not in shared for a in jax.tree.leaves(draft)) else ""
