@@ -62,8 +62,8 @@ def soft_loss(params, lora, batch, key, *, config: ModelConfig, exits: tuple[int
 
     The layers run over whole rows; the exits are scored at `num_positions` positions per row drawn
     among those whose next token is trained on (the heads, 49k wide, would otherwise cost more than
-    the layers). sums: "depth_loss", "depth_correct" (exit top-1 == the label: the full model's greedy token, or under "data" the data's
-    token, which on self-distilled answers is the same),
+    the layers). sums: "depth_loss", "depth_correct" (exit top-1 == the label: the full model's greedy
+    token, or under "data" the data's token, which on self-distilled answers is the same),
     "depth_count", one entry per exit, summed over the batch so accumulation adds up.
     """
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"], batch["lengths"]

@@ -66,8 +66,13 @@ def of(params: dict, draft) -> dict:
     return with_layers(params, draft["weights"]) if isinstance(draft, dict) and "weights" in draft else params
 
 
+def own_leaves(params, draft) -> list:
+    """The draft's arrays that are not the target's own: what it adds beside the target."""
+    shared = {id(a) for a in jax.tree.leaves(params)}
+    return [a for a in jax.tree.leaves(draft) if id(a) not in shared]
+
+
 def about(draft, params) -> str:
     """Named only where the draft reads int8 weights of its own: an int8 target's copies are its own arrays."""
-    shared = {id(a) for a in jax.tree.leaves(params)}
     return ", draft weights int8" if isinstance(draft, dict) and any(
-        getattr(a, "dtype", None) == jnp.int8 and id(a) not in shared for a in jax.tree.leaves(draft)) else ""
+        getattr(a, "dtype", None) == jnp.int8 for a in own_leaves(params, draft)) else ""

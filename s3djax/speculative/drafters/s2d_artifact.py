@@ -5,7 +5,6 @@ The drafting itself, and the upkeep of the nested draft's cache, is `s2d.S2DDraf
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,8 +61,7 @@ def target_key(quant_mode: str, dtype: str, full_mode: bool) -> str:
 
 def extra_bytes(params, draft) -> int:
     """The draft's parameter bytes not shared with the target (its memory cost beside the target)."""
-    shared = {id(leaf) for leaf in jax.tree.leaves(params)}
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(draft) if id(leaf) not in shared)
+    return sum(leaf.nbytes for leaf in draft_weights.own_leaves(params, draft))
 
 
 def build_s2d(m, ar, opts, dtype: str):
@@ -118,7 +116,8 @@ def build_s2d(m, ar, opts, dtype: str):
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
              f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree)}, extra draft memory "
-             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta) + draft_weights.about(draft, m.params))
+             f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta)
+             + draft_weights.about(draft, m.params))
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
 
 
