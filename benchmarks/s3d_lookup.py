@@ -5,6 +5,7 @@ given, interleaved prompt by prompt in one process, so that a shared machine's d
     python -m benchmarks.s3d_lookup --draft shipped,runs/x/draft.npz --gamma 2,4 --lookup 0,1
     python -m benchmarks.s3d_lookup --draft-weights none,int8 --gamma 2,3,4 --lookup 1
     python -m benchmarks.s3d_lookup --method kangaroo --tree top2,chain --max-draft 1,2 --lookup 0,1
+    python -m benchmarks.s3d_lookup --method lookup --max-draft 2,3,4 --lookup 0
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ def main():
     from infer.benchmark import parse_limits
 
     p = Parser(prog="python -m benchmarks.s3d_lookup", description=__doc__.splitlines()[0])
-    p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo", "s2d"))
-    p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone)")
+    p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo", "s2d", "lookup"))
+    p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone; "
+                   "--method lookup has none)")
     p.add_argument("--gamma", default="", help="s3d: comma-separated depths (default: the platform's)")
-    p.add_argument("--max-draft", default="", help="self-spec, kangaroo, s2d: comma-separated depths (default: the "
-                   "method's)")
+    p.add_argument("--max-draft", default="", help="self-spec, kangaroo, s2d, lookup: comma-separated "
+                   "depths (default: the method's)")
     p.add_argument("--tree", default="", help="comma-separated trees (default: the method's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")
     p.add_argument("--draft-weights", default="", help="comma-separated: none, int8 (default: the platform's)")

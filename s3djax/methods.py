@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from s3djax import quant, registry
+from s3djax import device, quant, registry
 from s3djax.built import Built, about_file, finetuned_target, target_from
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
@@ -27,22 +27,13 @@ METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup")
 FASTEST_GAMMA = {"cpu": 2, "cpu-avx512": 4}
 
 
-def gamma_platform() -> str:
-    """FASTEST_GAMMA's key here: the backend, told apart on a CPU by the vector unit its kernels run on."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-        from cpu_kernels import matmul
-
-        if matmul.isa() == "avx512":
-            return "cpu-avx512"
-    return backend
-
-
 PAPER_GAMMA = 4
-# Prompt lookup's deepest draft and longest n-gram (transformers' prompt_lookup_num_tokens, vLLM's
-# prompt_lookup_max): max draft 2 measured fastest on the CPU, on MT-Bench and HumanEval alike
-# (benchmarks/results/lookup-depth-cpu-2026-11-25.md: 1.16x and 1.28x ar, against 1.04x and 1.12x at 4).
-LOOKUP_DEPTH = 2
+# Prompt lookup's deepest draft (transformers' prompt_lookup_num_tokens, vLLM's num_speculative_tokens) measured
+# fastest per platform, MT-Bench and HumanEval alike. AVX2 (2-core Zen 3): 2, 1.16x / 1.28x ar against 1.04x / 1.12x at
+# 4 (benchmarks/results/lookup-depth-cpu-2026-11-25.md, MT-Bench 12 / HumanEval 6). AVX-512 (2-core Zen 4): 4,
+# 1.38x / 1.46x against 1.36x / 1.44x at 3 and 1.36x / 1.40x at 2 (MT-Bench 80 / HumanEval 40,
+# benchmarks/results/defaults-zen4-cpu-2026-11-28). Elsewhere AVX2's.
+FASTEST_LOOKUP_DEPTH = {"cpu": 2, "cpu-avx512": 4}
 LOOKUP_NGRAM = 3
 # A drafter's chain gives way to lookup's at a step whose last N+ tokens occurred before (0: never), N per method
 # and platform. S3D: 1 measured fastest on the CPU (benchmarks/results/s3d-lookup-cpu-2026-11-25.md: 1.25x and
@@ -63,7 +54,11 @@ def default_gamma(tree: str | None) -> int:
 
     if tree and tree.startswith("dynamic-"):
         return PAPER_GAMMA
-    return trees.named_depth(tree) or FASTEST_GAMMA.get(gamma_platform(), PAPER_GAMMA)
+    return trees.named_depth(tree) or FASTEST_GAMMA.get(device.platform(), PAPER_GAMMA)
+
+
+def default_lookup_depth() -> int:
+    return FASTEST_LOOKUP_DEPTH.get(device.platform(), FASTEST_LOOKUP_DEPTH["cpu"])
 
 
 def default_draft_plan(num_layers: int) -> SkipPlan:
@@ -277,6 +272,6 @@ def _lookup(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     ngram = LOOKUP_NGRAM if opts.ngram is None else opts.ngram
     if ngram < 1:
         raise UserError(f"--ngram must be at least 1, got {ngram}")
-    tree = TreeSpec.chain(opts.max_draft or LOOKUP_DEPTH)
+    tree = TreeSpec.chain(opts.max_draft or default_lookup_depth())
     return Built(SpecDecoder.create(ar, LookupDrafter(m.config, tree, ngram)), (m.params, {}), [],
                  f"prompt lookup, n-grams {ngram} to 1, max draft {tree.depth}")

@@ -83,7 +83,7 @@ def test_smollm2_lookup_equals_ar_and_commits_more_than_one_token_a_step(smollm2
     ar = methods.build("ar", smollm2, max_cache_len=192)
     expected = Runner(ar.decoder, ar.params).generate(ids, 48).tokens
     built = methods.build("lookup", smollm2, max_cache_len=192)
-    assert built.decoder.drafter.tree.depth == methods.LOOKUP_DEPTH and built.decoder.drafter.ngram == 3
+    assert built.decoder.drafter.tree.depth == methods.default_lookup_depth() and built.decoder.drafter.ngram == 3
     result = Runner(built.decoder, built.params).generate(ids, 48)
     assert result.tokens == expected
     assert result.stats["mean_accepted_tokens"] > 1.5

@@ -144,12 +144,13 @@ def test_dynamic_tree_names():
         trees.resolve("dynamic-8", 1)
 
 
-def test_the_cpu_chain_gamma_is_the_one_measured_fastest_on_its_vector_unit(monkeypatch):
-    # AVX-512's cheaper verify pays for deeper drafts; AVX2, or no kernel at all, keeps the shallower chain.
+def test_the_cpu_chain_depths_are_the_ones_measured_fastest_on_its_vector_unit(monkeypatch):
+    # AVX-512's cheaper verify pays for deeper drafts; AVX2, or no kernel at all, keeps the shallower chains.
     from cpu_kernels import matmul
     from s3djax import methods
 
-    for isa, gamma in (("avx512", 4), ("avx2", 2), (None, 2)):
+    for isa, gamma, lookup in (("avx512", 4, 4), ("avx2", 2, 2), (None, 2, 2)):
         monkeypatch.setattr(matmul, "isa", lambda isa=isa: isa)
         assert methods.default_gamma(None) == methods.default_gamma("chain") == gamma
         assert methods.default_gamma("tree-16") == 4  # a named tree keeps its own depth
+        assert methods.default_lookup_depth() == lookup
