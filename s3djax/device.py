@@ -33,6 +33,12 @@ def platform() -> str:
     return backend
 
 
+def fastest(table: dict, default):
+    """A measured-fastest table's entry for this machine: its `platform()`'s, else its backend's, else `default`."""
+    key = platform()
+    return table.get(key, table.get(key.split("-")[0], default))
+
+
 def describe() -> str:
     dev = jax.devices()[0]
     if dev.platform == "cpu":

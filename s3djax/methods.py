@@ -19,14 +19,13 @@ from s3djax.skip_plan import SkipPlan
 METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup")
 
 
+# The FASTEST_ tables are keyed by device.platform(); a CPU whose vector unit has no entry takes "cpu"'s.
 # S3D's chain depth measured fastest per platform, the CPU kernels on, the shipped draft, lookup 1, MT-Bench 80 and
 # HumanEval 40. AVX2 (2-core Zen 3): gamma 2 1.43x / 1.48x ar, 3 1.39x / 1.46x
 # (benchmarks/results/s3d-gamma-14k-draft-cpu-2026-11-27). AVX-512 (2-core Zen 4), where a 5-token verify costs
 # 0.90x an AR step against 1.27x: 4 1.67x / 1.88x, 3 1.67x / 1.83x, 2 1.61x / 1.73x
 # (benchmarks/results/s3d-gamma-zen4-cpu-2026-11-28). No GPU has measured it: the paper's 4.
 FASTEST_GAMMA = {"cpu": 2, "cpu-avx512": 4}
-
-
 PAPER_GAMMA = 4
 # Prompt lookup's deepest draft (transformers' prompt_lookup_num_tokens, vLLM's num_speculative_tokens) measured
 # fastest per platform, MT-Bench and HumanEval alike. AVX2 (2-core Zen 3): 2, 1.16x / 1.28x ar against 1.04x / 1.12x at
@@ -54,11 +53,11 @@ def default_gamma(tree: str | None) -> int:
 
     if tree and tree.startswith("dynamic-"):
         return PAPER_GAMMA
-    return trees.named_depth(tree) or FASTEST_GAMMA.get(device.platform(), PAPER_GAMMA)
+    return trees.named_depth(tree) or device.fastest(FASTEST_GAMMA, PAPER_GAMMA)
 
 
 def default_lookup_depth() -> int:
-    return FASTEST_LOOKUP_DEPTH.get(device.platform(), FASTEST_LOOKUP_DEPTH["cpu"])
+    return device.fastest(FASTEST_LOOKUP_DEPTH, FASTEST_LOOKUP_DEPTH["cpu"])
 
 
 def default_draft_plan(num_layers: int) -> SkipPlan:
@@ -203,7 +202,7 @@ def with_lookup(drafter, opts: Options, method: str):
     and the words for it)."""
     from s3djax.speculative.drafters.lookup import WithLookup
 
-    switch = FASTEST_LOOKUP.get(method, {}).get(jax.default_backend(), 0) if opts.lookup is None else opts.lookup
+    switch = device.fastest(FASTEST_LOOKUP.get(method, {}), 0) if opts.lookup is None else opts.lookup
     if switch < 0:
         raise UserError(f"--lookup must be 0 (never) or more, got {switch}")
     if switch and drafter.tree.spine_width != 1:

@@ -148,9 +148,11 @@ def test_the_cpu_chain_depths_are_the_ones_measured_fastest_on_its_vector_unit(m
     # AVX-512's cheaper verify pays for deeper drafts; AVX2, or no kernel at all, keeps the shallower chains.
     from cpu_kernels import matmul
     from s3djax import methods
+    from s3djax.speculative import draft_weights
 
     for isa, gamma, lookup in (("avx512", 4, 4), ("avx2", 2, 2), (None, 2, 2)):
         monkeypatch.setattr(matmul, "isa", lambda isa=isa: isa)
         assert methods.default_gamma(None) == methods.default_gamma("chain") == gamma
         assert methods.default_gamma("tree-16") == 4  # a named tree keeps its own depth
         assert methods.default_lookup_depth() == lookup
+        assert draft_weights.default_mode() == "int8"  # measured on the CPU alone: every vector unit takes it

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import quant
+from s3djax import device, quant
 from s3djax.errors import UserError
 from s3djax.model import layer_key, with_layers
 from s3djax.skip_plan import SkipPlan
@@ -29,7 +29,7 @@ FASTEST = {"cpu": "int8"}
 
 
 def default_mode() -> str:
-    return FASTEST.get(jax.default_backend(), "none")
+    return device.fastest(FASTEST, "none")
 
 
 def check_mode(mode: str) -> None:
