@@ -231,7 +231,7 @@ def test_draft_file_round_trip(tmp_path):
 
 
 def test_smollm2_s3d_equals_ar(smollm2):
-    from s3djax import device, methods
+    from s3djax import methods
     from s3djax.tokenizer import encode_prompt
 
     ar = methods.build("ar", smollm2, max_cache_len=128)  # 128 as in the other SmolLM2 tests: XLA's cache shares it
@@ -243,7 +243,7 @@ def test_smollm2_s3d_equals_ar(smollm2):
         assert s3d.warnings and "untrained" in s3d.warnings[0]
         # Unset, gamma is a named tree's depth, else the CPU's measured fastest.
         gamma = s3d.decoder.drafter.gamma
-        fastest = methods.FASTEST_GAMMA[device.platform()]
+        fastest = methods.default_gamma(None)
         assert gamma == {"chain": fastest, "tree-16": 4}[tree] and f"gamma {gamma}" in s3d.draft
         ids = encode_prompt(smollm2.tokenizer, text, chat_template=True)
         expected = ar.generate(ids, 40).tokens
