@@ -46,10 +46,12 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--draft", "--skip-plan", dest="draft", help=artifact + (
             "; with several methods, METHOD=PATH pairs separated by commas" if several else ""))
         self.add_argument("--gamma", type=int, help="positions drafted per step (s3d; default: a named tree's "
-                          "depth, else the platform's measured fastest: 2 on a CPU, the paper's 4 elsewhere)")
-        self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec (default 12), kangaroo and "
-                          "s2d (default: the one their file records as measured fastest, else the paper's 6), and "
-                          "lookup (default 2)")
+                          "depth, else the platform's measured fastest: 4 on a CPU whose kernels run AVX-512, else 2 "
+                          "on a CPU, the paper's 4 elsewhere)")
+        self.add_argument("--max-draft", type=int, help="the deepest draft of self-spec, kangaroo and s2d "
+                          "(default: the one their file records as measured fastest, else the paper's: 12 for "
+                          "self-spec, 6 for the others), and lookup (default: 4 on a CPU whose kernels run AVX-512, "
+                          "else 2)")
         self.add_argument("--tree", help="token tree: chain, topK (the chain plus the next K-1 "
                           "candidates at each depth; default: the one the draft's file records as measured fastest, "
                           "else chain), dynamic-N (s3d: the N likeliest paths by the draft's joint "
