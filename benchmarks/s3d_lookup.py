@@ -5,7 +5,7 @@ given, interleaved prompt by prompt in one process, so that a shared machine's d
     python -m benchmarks.s3d_lookup --draft shipped,runs/x/draft.npz --gamma 2,4 --lookup 0,1
     python -m benchmarks.s3d_lookup --draft-weights none,int8 --gamma 2,3,4 --lookup 1
     python -m benchmarks.s3d_lookup --method kangaroo --tree top2,chain --max-draft 1,2 --lookup 0,1
-    python -m benchmarks.s3d_lookup --method lookup --max-draft 2,3,4 --lookup 0
+    python -m benchmarks.s3d_lookup --method lookup --max-draft 2,3,4
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main():
     p = Parser(prog="python -m benchmarks.s3d_lookup", description=__doc__.splitlines()[0])
     p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo", "s2d", "lookup"))
     p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone; "
-                   "--method lookup has none)")
+                   "--method lookup has none, and ignores it)")
     p.add_argument("--gamma", default="", help="s3d: comma-separated depths (default: the platform's)")
     p.add_argument("--max-draft", default="", help="self-spec, kangaroo, s2d, lookup: comma-separated "
                    "depths (default: the method's)")
@@ -60,7 +60,8 @@ def main():
     listed = lambda text, kind=str: [kind(v) for v in text.split(",")] if text else [None]  # noqa: E731
     axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")],
             "gamma": listed(args.gamma, int), "max_draft": listed(args.max_draft, int), "tree": listed(args.tree),
-            "lookup": listed(args.lookup, int), "draft_weights": listed(args.draft_weights)}
+            "lookup": [None] if args.method == "lookup" else listed(args.lookup, int),  # lookup has no switch
+            "draft_weights": listed(args.draft_weights)}
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
     for combo in itertools.product(*axes.values()):
         opts = dict(zip(axes, combo))

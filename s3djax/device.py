@@ -36,8 +36,7 @@ def platform() -> str:
 
 def fastest(table: dict, default):
     """A measured-fastest table's entry for this machine: its `platform()`'s, else its backend's, else `default`."""
-    key = platform()
-    return table.get(key, table.get(key.split("-")[0], default))
+    return table.get(platform(), table.get(jax.default_backend(), default))
 
 
 def describe() -> str:
