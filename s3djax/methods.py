@@ -37,13 +37,17 @@ LOOKUP_NGRAM = 3
 # A drafter's chain gives way to lookup's at a step whose last N+ tokens occurred before (0: never), N per method
 # and platform. S3D: 1 measured fastest on the CPU (benchmarks/results/s3d-lookup-cpu-2026-11-25.md: 1.25x and
 # 1.54x ar on MT-Bench and HumanEval, against 1.21x/1.42x at 2, 1.16x/1.36x at 3 and 1.02x/1.18x without
-# lookup). Self-Spec and Kangaroo on a chain of 2, switch 1 (benchmarks/results/lookup-drafters-cpu-2026-11-26/):
+# lookup). With the 28-layer draft at gamma 4 on AVX-512 (2-core Zen 4): 2, 1.73x / 2.01x ar on MT-Bench 80 /
+# HumanEval 40, against 1.71x / 2.11x at 3, 1.69x / 1.92x at 1 and 1.57x / 1.78x without lookup, one round;
+# MT-Bench chooses (benchmarks/results/s3d-kept-layers-lookup-zen4-cpu-2026-11-28). Self-Spec and Kangaroo on a
+# chain of 2, switch 1 (benchmarks/results/lookup-drafters-cpu-2026-11-26/):
 # Kangaroo 1.29x and 1.24x against its top2 tree's 1.16x and 1.09x without lookup, Self-Spec 1.06x and 1.23x
 # against 0.90x and 0.95x, MT-Bench 12 and HumanEval 6. S2D at its max draft 1, switch 1
 # (benchmarks/results/s2d-lookup-cpu-2026-11-27.md): 0.97x and 0.96x against 0.87x and 0.83x alone; on MT-Bench 80
 # and HumanEval 40, 1.01x and 1.02x (s2d-lookup-mt-bench-80-humaneval-40-cpu-2026-11-27), under lookup alone.
 # No GPU has measured it: the papers' drafters, without lookup.
-FASTEST_LOOKUP = {"s3d": {"cpu": 1}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1}, "s2d": {"cpu": 1}}
+FASTEST_LOOKUP = {"s3d": {"cpu": 1, "cpu-avx512": 2}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1},
+                  "s2d": {"cpu": 1}}
 
 
 def default_gamma(tree: str | None) -> int:

@@ -389,7 +389,8 @@ def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
     # The mask tokens need depth > 1; lookup, off, would draft some steps for either draft.
     shipped = methods.build("s3d", smollm2, max_cache_len=128, gamma=4, lookup=0)
     assert shipped.warnings == [] and os.path.relpath(path) in shipped.draft
-    untrained = methods.build("s3d", smollm2, max_cache_len=128, draft_path="none", gamma=4, lookup=0)
+    plan = shipped.decoder.drafter.plan.spec()
+    untrained = methods.build("s3d", smollm2, max_cache_len=128, draft_path="none", gamma=4, lookup=0, skip=plan)
     assert untrained.decoder.drafter == shipped.decoder.drafter
     # The untrained draft over the shipped one's vocabulary, so that the margin measures the training
     # alone, not the vocabulary's trade of a little acceptance for speed.
@@ -405,6 +406,8 @@ def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
             got = runs[name].generate(ids, 40)
             assert got.tokens == expected
             accepted[name] += got.stats["accepted_per_step"]
-    alpha = {name: acceptance(a, 4)["acceptance_by_depth"][0] for name, a in accepted.items()}
-    # Measured: 0.32 against 0.18 (the third-stage draft and its vocabulary; 0.33 against 0.16 before it).
-    assert alpha["shipped"] > alpha["untrained"] + 0.1, alpha
+    # Depth 2, the first mask token: at depth 1 the draft is the last token through the kept layers, which with
+    # 28 of 30 kept agrees with the verifier nearly as often untrained.
+    alpha = {name: acceptance(a, 4)["acceptance_by_depth"][1] for name, a in accepted.items()}
+    # Measured: 0.41 against 0.10 (the 28-layer draft of 2026-11-28).
+    assert alpha["shipped"] > alpha["untrained"] + 0.2, alpha
