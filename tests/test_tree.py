@@ -1,5 +1,7 @@
 """Static token trees, the tree attention mask, greedy acceptance and the K/V commit."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,9 +152,13 @@ def test_the_cpu_chain_depths_are_the_ones_measured_fastest_on_its_vector_unit(m
     from s3djax import methods
     from s3djax.speculative import draft_weights
 
+    chain = types.SimpleNamespace(tree=trees.resolve("chain", 4))  # a drafter's chain, all with_lookup reads
     for isa, gamma, lookup in (("avx512", 4, 4), ("avx2", 2, 2), (None, 2, 2)):
         monkeypatch.setattr(matmul, "isa", lambda isa=isa: isa)
         assert methods.default_gamma(None) == methods.default_gamma("chain") == gamma
         assert methods.default_gamma("tree-16") == 4  # a named tree keeps its own depth
         assert methods.default_lookup_depth() == lookup
         assert draft_weights.default_mode() == "int8"  # measured on the CPU alone: every vector unit takes it
+        # S3D's 28-layer draft gives way to lookup only on 2-token matches where that was measured (AVX-512).
+        switch = {m: methods.with_lookup(chain, methods.Options(), m)[0].switch for m in ("s3d", "kangaroo")}
+        assert switch == {"s3d": 2 if isa == "avx512" else 1, "kangaroo": 1}, (isa, switch)
