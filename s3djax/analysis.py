@@ -41,6 +41,14 @@ def skip_schemes(num_layers: int, num_skipped: int) -> dict[str, SkipPlan]:
             "alternating": SkipPlan.skipping_layers(L, spread)}
 
 
+def shipped_plan(model: str, num_layers: int) -> SkipPlan:
+    """The skip plan a model's shipped S3D draft was trained with, and so the one it must run."""
+    from s3djax import registry
+    from s3djax.speculative.draft_params import load_artifact
+
+    return SkipPlan.parse(load_artifact(registry.entries()[model].draft_path("s3d"), np.float32)[1]["skip"], num_layers)
+
+
 def window(num_layers: int, num_skipped: int, start: int) -> SkipPlan:
     """A run of skipped layers starting at `start`: sliding it from the bottom to the top walks from
     late-only through symmetric-middle to early-exit, as the x-axis of the paper's Fig. 4 does."""

@@ -76,6 +76,14 @@ def test_skip_schemes_skip_equally_many_layers():
     assert an.beta(SkipPlan.parse("0-3.attn", 4), TINY) == pytest.approx(mlp / (attn + mlp))
 
 
+def test_the_shipped_plan_is_the_one_the_shipped_draft_file_records():
+    from s3djax.methods import default_draft_plan
+
+    plan = an.shipped_plan("smollm2-135m", 30)
+    assert plan.spec() == "14-15"  # the 28-layer draft of 2026-11-28, not the untrained default's 8-21
+    assert plan != default_draft_plan(30)
+
+
 @pytest.fixture(scope="module")
 def tiny_loaded():
     from s3djax.loading import LoadedModel
