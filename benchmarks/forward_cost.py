@@ -3,7 +3,8 @@ verifying a draft. Speculation pays only where this stays near 1x (a memory-boun
 of g drafts, a step costs draft(g) + verify(g + 1) and commits tau tokens, so reaching a speedup S over
 `ar` takes tau = S * (draft + verify) / ar, and no draft, however good, commits more than g + 1. Each
 method's draft and verify steps are timed at each chain length g with its shipped draft, drafting all g
-tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first, cheapest exit).
+tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first, cheapest exit), and
+`s3d-in-verify`, S3D drafting inside its verify forward of (g + 1)(g + 2) rows.
 
     python -m benchmarks.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--max-cache-len 2048] [--repeats 10]
         [--paths kernel,xla]
@@ -20,13 +21,13 @@ import datetime
 from benchmarks import report
 from s3djax.cli import Parser, run
 
-TOKENS = (1, 2, 3, 4, 5, 8, 9, 17)
+TOKENS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 17, 20)
 
 
 PATHS = {"kernel": "kernel: the CPU decode matmul on packed weights (cpu_kernels)", "xla": "xla: XLA's dot"}
 
 # The speed each method is meant to reach over `ar` (the project's goals on MT-Bench).
-GOALS = {"s3d": 1.5, "self-spec": 1.0, "kangaroo": 1.3, "s2d": 1.2}
+GOALS = {"s3d": 1.5, "s3d-in-verify": 1.5, "self-spec": 1.0, "kangaroo": 1.3, "s2d": 1.2}
 
 
 def gamma_list(text: str) -> list[int]:
@@ -39,8 +40,8 @@ def method_list(text: str) -> list[str]:
 
 def chain_options(method: str, g: int) -> dict:
     """Build options for a chain of g drafts, every one of them drafted."""
-    return {"s3d": dict(gamma=g), "self-spec": dict(max_draft=g), "kangaroo": dict(max_draft=g, eta=0.0),
-            "s2d": dict(max_draft=g, thresholds="0,0")}[method]
+    return {"s3d": dict(gamma=g), "s3d-in-verify": dict(gamma=g, in_verify="on"), "self-spec": dict(max_draft=g),
+            "kangaroo": dict(max_draft=g, eta=0.0), "s2d": dict(max_draft=g, thresholds="0,0")}[method]
 
 
 def main():
@@ -76,7 +77,8 @@ def main():
         for method in args.methods or ["ar"]:
             for g in args.gammas if args.methods else [1]:
                 options = chain_options(method, g) if method != "ar" else {}
-                built = methods.build(method, m, max_cache_len=args.max_cache_len, dtype=args.dtype, **options)
+                built = methods.build(method.removesuffix("-in-verify"), m, max_cache_len=args.max_cache_len,
+                                      dtype=args.dtype, **options)
                 about.setdefault(method, built.draft)
                 state = Runner(built.decoder, built.params).prefill(prompt)
                 if (path, 1) not in ms:

@@ -46,11 +46,13 @@ VARIANTS = {"bf16-xla": (None, "xla", "xla"), "bf16-pallas": (None, "pallas", "x
 # Each drafter at the settings of the CPU run whose acceptance the projection uses
 # (benchmarks/results/family-kernel-mt-bench-80-cpu-2026-11-24): S3D gamma 2, the others drafting one token,
 # Kangaroo over its top4 tree; lookup at its default max draft, and S3D with the CPU's lookup switch. The GPU
-# suite's S3D default (the paper's gamma 4, no lookup) is compiled beside them.
+# suite's S3D default (the paper's gamma 4, no lookup) is compiled beside them, and so is S3D drafting inside the
+# verify pass at gamma 4 (25 rows a verify).
 METHOD_OPTIONS = {"ar": {}, "s3d": {"gamma": 2}, "s3d-g4": {"gamma": 4}, "self-spec": {"max_draft": 1},
                   "kangaroo": {"max_draft": 1, "tree": "top4"}, "s2d": {"max_draft": 1},
-                  "lookup": {"max_draft": 2}, "s3d-lookup": {"gamma": 2, "lookup": 1}}
-STEPS = {"ar": ("prefill", "loop", "ar-step"), "s3d-g4": ("loop",)}
+                  "lookup": {"max_draft": 2}, "s3d-lookup": {"gamma": 2, "lookup": 1},
+                  "s3d-inverify": {"gamma": 4, "in_verify": "on"}}
+STEPS = {"ar": ("prefill", "loop", "ar-step"), "s3d-g4": ("loop",), "s3d-inverify": ("loop",)}
 STEPS.update({m: ("draft", "verify", "loop") for m in METHOD_OPTIONS if m not in STEPS})
 MAX_CACHE_LEN = 2048  # the GPU suite's
 PROMPT = 512          # the prefill's prompt bucket
@@ -63,10 +65,11 @@ CASE_TIMEOUT_S = 300
 # ------------------------------------------------------------------------------------------ cases
 
 def new_tokens() -> tuple[int, ...]:
-    """T per attention call: AR's 1, each chain (gamma 2 and 4, root included) and each named tree's nodes."""
+    """T per attention call: AR's 1, each chain (gamma 2 and 4, root included), the same chains with every
+    node's branch of mask tokens (S3D drafting inside the verify pass) and each named tree's nodes."""
     from s3djax.speculative.tree import TreeSpec, named_trees
 
-    return tuple(sorted({1, 3, 5, *(TreeSpec.from_paths(p).num_nodes for p in named_trees().values())}))
+    return tuple(sorted({1, 3, 5, 9, 25, *(TreeSpec.from_paths(p).num_nodes for p in named_trees().values())}))
 
 
 def projections(name: str) -> list[tuple[int, int]]:
@@ -93,8 +96,8 @@ def step_cases() -> list[str]:
     out = []
     for model, variant, method in itertools.product(STEP_MODELS, VARIANTS, METHOD_OPTIONS):
         for step in STEPS[method]:
-            if (step == "loop" and (model == "smollm2-135m" or method in ("ar", "s3d-g4"))) or step == "prefill" or \
-                    variant.endswith("-xla"):
+            at_7b = method in ("ar", "s3d-g4", "s3d-inverify")
+            if (step == "loop" and (model == "smollm2-135m" or at_7b)) or step == "prefill" or variant.endswith("-xla"):
                 out.append(f"step/{model}/{variant}/{method}/{step}")
     # The 64-node tree's verify at 7B shape, the second goal the report checks (against the AR step).
     out += [f"step/llama-2-7b/{v}/s3d-tree64/verify" for v in VARIANTS]

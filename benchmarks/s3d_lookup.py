@@ -18,7 +18,7 @@ from benchmarks import report
 from s3djax.cli import Parser, run
 
 AXES = {"draft_path": "draft", "gamma": "gamma", "max_draft": "max draft", "tree": "tree", "lookup": "lookup",
-        "draft_weights": "weights"}
+        "draft_weights": "weights", "in_verify": "in verify"}
 
 
 def main():
@@ -34,6 +34,7 @@ def main():
     p.add_argument("--tree", default="", help="comma-separated trees (default: the method's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")
     p.add_argument("--draft-weights", default="", help="comma-separated: none, int8 (default: the platform's)")
+    p.add_argument("--in-verify", default="", help="s3d: comma-separated on, off (default: the platform's)")
     p.add_argument("--dataset", default="mt-bench,humaneval", help="comma-separated: mt-bench, humaneval")
     p.add_argument("--limit", default="mt-bench=12,humaneval=6", help="prompts per dataset, as infer.benchmark's")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,7 +62,7 @@ def main():
     axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")],
             "gamma": listed(args.gamma, int), "max_draft": listed(args.max_draft, int), "tree": listed(args.tree),
             "lookup": [None] if args.method == "lookup" else listed(args.lookup, int),  # lookup has no switch
-            "draft_weights": listed(args.draft_weights)}
+            "draft_weights": listed(args.draft_weights), "in_verify": listed(args.in_verify)}
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
     for combo in itertools.product(*axes.values()):
         opts = dict(zip(axes, combo))

@@ -67,6 +67,9 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--lookup", type=int, help="s3d, self-spec, kangaroo and s2d on a chain: draft a step's "
                           "chain by prompt lookup instead, wherever the last N or more tokens occurred before "
                           "(0: never; default: the measured fastest, 1 on a CPU, for s3d 2 on an AVX-512 CPU, else 0)")
+        self.add_argument("--in-verify", choices=("on", "off"), help="s3d on a chain: on drafts the next chain "
+                          "inside the verify pass, a draft block beside every drafted token, instead of in a draft "
+                          "step (default: the measured fastest, off)")
         self.add_argument("--draft-weights", help="s3d, self-spec, kangaroo and s2d: the weights their draft reads, none "
                           "(the target's) or int8 (int8 copies of the layers it runs alone, its head rows and "
                           "adapter; verification keeps the target's, so the output is the same); default: the "

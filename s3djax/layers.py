@@ -39,11 +39,13 @@ class RMSNorm(nn.Module):
 
 
 def linear(module: nn.Module, name: str, shape: tuple[int, int], h, lora):
-    """h @ W for the module's weight `name`, plus the low-rank update (h @ A) @ B where a draft adapter covers it."""
+    """h @ W for the module's weight `name`, plus the low-rank update (h @ A) @ B where a draft adapter covers it,
+    on the rows `lora["rows"]` [T] weighs by 1 where it has them (a draft's rows inside the verify pass)."""
     kernel = module.config.cpu_kernel
     out = quant.dot(h, module.param(name, dense_init, shape), kernel)
     if lora and name in lora:
-        out = out + quant.dot(quant.dot(h, lora[name]["a"], kernel), lora[name]["b"], kernel)
+        update = quant.dot(quant.dot(h, lora[name]["a"], kernel), lora[name]["b"], kernel)
+        out = out + (update * lora["rows"][:, None].astype(update.dtype) if "rows" in lora else update)
     return out
 
 

@@ -24,7 +24,9 @@ METHODS = ("ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup")
 # HumanEval 40. AVX2 (2-core Zen 3): gamma 2 1.43x / 1.48x ar, 3 1.39x / 1.46x
 # (benchmarks/results/s3d-gamma-14k-draft-cpu-2026-11-27). AVX-512 (2-core Zen 4), where a 5-token verify costs
 # 0.90x an AR step against 1.27x: 4 1.67x / 1.88x, 3 1.67x / 1.83x, 2 1.61x / 1.73x
-# (benchmarks/results/s3d-gamma-zen4-cpu-2026-11-28). No GPU has measured it: the paper's 4.
+# (benchmarks/results/s3d-gamma-zen4-cpu-2026-11-28). The 28-layer draft at lookup 2 keeps 4 there: 1.71x / 1.91x
+# against 1.63x / 1.77x at 2 (s3d-kept-layers-gamma2-zen4-cpu-2026-11-28), and 1.74x / 1.98x against 1.73x / 1.92x
+# at 3 and 1.72x / 1.98x at 5 (s3d-kept-layers-gamma-zen4-cpu-2026-11-28). No GPU has measured it: the paper's 4.
 FASTEST_GAMMA = {"cpu": 2, "cpu-avx512": 4}
 PAPER_GAMMA = 4
 # Prompt lookup's deepest draft (transformers' prompt_lookup_num_tokens, vLLM's num_speculative_tokens) measured
@@ -48,6 +50,14 @@ LOOKUP_NGRAM = 3
 # No GPU has measured it: the papers' drafters, without lookup.
 FASTEST_LOOKUP = {"s3d": {"cpu": 1, "cpu-avx512": 2}, "self-spec": {"cpu": 1}, "kangaroo": {"cpu": 1},
                   "s2d": {"cpu": 1}}
+
+
+# Whether S3D drafts its next chain inside the verify pass (s3djax.speculative.drafters.s3d_in_verify) rather than
+# in a draft step of its own. Off on the CPU, where a forward's cost grows with its rows past about 6: on a 2-core
+# Zen 4, MT-Bench 80 / HumanEval 40, one round, gamma 1 (6 rows) ran at 1.21x / 1.24x `ar` (tau 1.58 / 1.65) and
+# gamma 2 (12 rows) at 0.89x / 0.90x (benchmarks/results/s3d-in-verify-zen4-cpu-2026-11-28), against the draft
+# step's 1.73x / 2.01x at the defaults. No GPU has measured it: off.
+FASTEST_IN_VERIFY = {"cpu": "off"}
 
 
 def default_gamma(tree: str | None) -> int:
@@ -84,6 +94,7 @@ class Options:
     ngram: int | None = None        # lookup: the longest n-gram matched (None: LOOKUP_NGRAM)
     lookup: int | None = None       # s3d, self-spec, kangaroo, s2d: a chain gives way to lookup's where N+ tokens match
     draft_weights: str | None = None  # s3d, self-spec, kangaroo, s2d: the draft's own weights in int8 (None: measured fastest)
+    in_verify: str | None = None    # s3d: "on" drafts the next chain inside the verify pass (None: measured fastest)
 
 
 def options(args, method: str) -> dict:
@@ -101,7 +112,7 @@ def options(args, method: str) -> dict:
         draft = pairs.get(method)
     return dict(skip=args.skip, gamma=args.gamma, tree=args.tree, draft_path=draft, max_draft=args.max_draft,
                 exit_layer=args.exit_layer, eta=args.eta, thresholds=args.thresholds, target_from=args.target_from,
-                ngram=args.ngram, lookup=args.lookup, draft_weights=args.draft_weights)
+                ngram=args.ngram, lookup=args.lookup, draft_weights=args.draft_weights, in_verify=args.in_verify)
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
@@ -167,6 +178,7 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
     from s3djax.speculative import tree as trees
     from s3djax.speculative.draft_params import init_draft, load_draft
     from s3djax.speculative.drafters.s3d import S3DDrafter
+    from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
     from s3djax.speculative.loop import SpecDecoder
 
     gamma = default_gamma(opts.tree) if opts.gamma is None else opts.gamma
@@ -188,14 +200,21 @@ def _s3d(m: LoadedModel, ar: ARDecoder, opts: Options, dtype: str) -> Built:
                         "target, not the original weights")
     draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, opts.draft_weights, DTYPES[dtype],
                                  plan=plan)
-    drafter = S3DDrafter(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
+    if opts.in_verify not in (None, "on", "off"):
+        raise UserError(f"--in-verify must be on or off, got {opts.in_verify}")
+    in_verify = (device.fastest(FASTEST_IN_VERIFY, "off") if opts.in_verify is None else opts.in_verify) == "on"
+    if in_verify and opts.tree not in (None, "chain"):
+        raise UserError(f"--in-verify drafts a chain, so s3d's tree must be the chain, not {opts.tree}")
+    kind = InVerifyS3DDrafter if in_verify else S3DDrafter
+    drafter = kind(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
         draft = {k: v for k, v in draft.items() if k != "correction"}
         warnings.append(f"{opts.tree} drafts without the draft's previous-token correction, which needs a "
                         "static tree")
     drafter, about_lookup = with_lookup(drafter, opts, "s3d")
     return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
-                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}" + about_lookup
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
+                 + (", drafting inside the verify pass" if in_verify else "") + about_lookup
                  + draft_vocab.about(meta)
                  + draft_weights.about(draft, params)
                  + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""))

@@ -14,10 +14,12 @@ Params (Flax's own tree): {"embed": [V, D], "layers_0" .. "layers_{L-1}": a `lay
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from s3djax import cache as kv
 from s3djax import quant
@@ -38,26 +40,29 @@ class Decoder(nn.Module):
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", dense_init, (c.vocab_size, c.hidden_size))
 
-    def __call__(self, tokens, positions, cache, slots, mask, *, embeds=None, lora=None, dynamic=None):
+    def __call__(self, tokens, positions, cache, slots, mask, *, embeds=None, lora=None, dynamic=None, rows=None):
         """Run new tokens through the layers the plan keeps, writing their K/V into the cache.
 
         tokens, positions: [B, T] int32 (positions are RoPE positions); slots: [B] int32, the first
         cache slot of each row's T new tokens; mask: [B, T, S] bool over cache slots after the write,
         or a `cache.PrefixTreeMask`. `embeds` [B, T, D] replaces the token embeddings (a draft's
         mask-token rows); `lora` is a per-layer list of {weight name: {"a", "b"}} low-rank updates.
+        `rows`, a `DraftRows`, confines `lora` to some rows, which also skip what its plan skips.
         Returns (final-normed hidden states [B, T, D], cache). Skipped attention leaves its layer's
         cache untouched.
         """
         x = self.embed_tokens(tokens) if embeds is None else embeds
-        x, cache = self.run_layers(x, positions, cache, slots, mask, lora=lora, dynamic=dynamic)
+        x, cache = self.run_layers(x, positions, cache, slots, mask, lora=lora, dynamic=dynamic, rows=rows)
         return self.final_norm(x), cache
 
-    def run_layers(self, x, positions, cache, slots, mask, *, lora=None, dynamic: DynamicPlan | None = None):
+    def run_layers(self, x, positions, cache, slots, mask, *, lora=None, dynamic: DynamicPlan | None = None,
+                   rows: DraftRows | None = None):
         """The residual stream through the sub-layers the plan keeps: (x, cache), no final norm.
 
         `dynamic`, a `DynamicPlan` of traced flags, overrides the static plan: one executable then
         serves every plan (what a plan search needs), and a skipped sub-layer still does no work.
         """
+        assert rows is None or dynamic is None, "draft rows split a static plan's sub-layers"
         plan = dynamic if dynamic is not None else \
             (self.plan or SkipPlan.full(self.config.num_layers)).check(self.config.num_layers)
         rope = rope_tables(positions, jnp.asarray(self.config.rope_inv_freq()))
@@ -67,7 +72,10 @@ class Decoder(nn.Module):
         for i, block in enumerate(self.layers):
             if isinstance(plan, SkipPlan) and not (plan.attn[i] or plan.mlp[i]):
                 continue
-            if static:
+            if rows is not None:
+                x, new_cache[i] = rows.block(self.variables["params"][f"layers_{i}"], i, x, cache[i], rope, slots,
+                                             mask, lora[i], config=self.config, plan=plan)
+            elif static:
                 x, new_cache[i] = _block(self.variables["params"][f"layers_{i}"], x, cache[i], rope, slots, mask, lora[i],
                                          config=self.config, run_attn=plan.attn[i], run_mlp=plan.mlp[i])
             else:
@@ -97,6 +105,29 @@ class Decoder(nn.Module):
 def _block(params, x, layer_cache, rope, slots, mask, lora, *, config: ModelConfig, run_attn: bool, run_mlp: bool):
     return Block(config, parent=None).apply({"params": params}, x, layer_cache, rope=rope, slots=slots, mask=mask,
                                             lora=lora, run_attn=run_attn, run_mlp=run_mlp)
+
+
+class DraftRows(NamedTuple):
+    """Draft rows inside another forward (S3D's draft blocks in the verify pass): rows flagged true run only
+    the sub-layers `plan` keeps and take the LoRA updates; the others run the forward's own plan without
+    them, exactly as they would alone."""
+    plan: SkipPlan
+    flags: tuple[bool, ...]  # [T], static
+
+    def block(self, params, i: int, x, layer_cache, rope, slots, mask, lora, *, config: ModelConfig, plan: SkipPlan):
+        draft = np.asarray(self.flags)
+        lora = {**lora, "rows": jnp.asarray(draft)} if lora else lora
+        parts = (("attn", plan.attn[i], self.plan.attn[i]), ("mlp", plan.mlp[i], self.plan.mlp[i]))
+        if all(runs == keeps for _, runs, keeps in parts):
+            return _block(params, x, layer_cache, rope, slots, mask, lora, config=config, run_attn=plan.attn[i],
+                          run_mlp=plan.mlp[i])
+        for part, runs, keeps in parts:  # one sub-layer at a time, the draft rows keeping their stream where they skip
+            assert runs or not keeps, "draft rows run only sub-layers the forward runs"
+            if runs:
+                y, layer_cache = _block(params, x, layer_cache, rope, slots, mask, lora, config=config,
+                                        run_attn=part == "attn", run_mlp=part == "mlp")
+                x = y if keeps else jnp.where(draft[:, None], x, y)
+        return x, layer_cache
 
 
 def init_params(config: ModelConfig, key, dtype=jnp.float32) -> dict:

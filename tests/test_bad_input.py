@@ -62,6 +62,8 @@ PROMPT = ["--prompt", "hello there, how are you today?"]
     (["--method", "s3d", "--lookup", "-1"], "--lookup must be 0 (never) or more"),
     (["--method", "s3d", "--draft-weights", "int4"], "unknown draft weights 'int4'"),
     (["--method", "s3d", "--lookup", "2", "--tree", "top2"], "s3d's tree must be the chain, not top2"),
+    (["--method", "s3d", "--in-verify", "on", "--tree", "tree-8"], "--in-verify drafts a chain, so s3d's tree"),
+    (["--method", "s3d", "--in-verify", "yes"], "argument --in-verify: invalid choice"),
     (["--method", "kangaroo", "--lookup", "1", "--tree", "top2"], "kangaroo's tree must be the chain, not top2"),
     (["--method", "s2d", "--lookup", "1", "--tree", "top2"], "s2d's tree must be the chain, not top2"),
     (["--method", "kangaroo", "--eta", "3"], "--eta must be in [0, 1]"),
@@ -108,7 +110,7 @@ def test_projection_refuses_a_results_file_it_cannot_use(settings, message, tmp_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--gammas", "5"], "argument --gammas: invalid value [5]"),  # no 6-token forward is timed to verify it
+    (["--gammas", "6"], "argument --gammas: invalid value [6]"),  # no 7-token forward is timed to verify it
     (["--gammas", "1,0"], "argument --gammas: invalid value [1, 0]"),
     (["--gammas", "1,x"], "argument --gammas: invalid gamma_list value: '1,x'"),
     (["--methods", "s3d,ar"], "argument --methods: invalid value ['s3d', 'ar']"),  # ar has no draft to time

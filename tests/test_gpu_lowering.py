@@ -106,3 +106,9 @@ def test_steps_with_the_pallas_kernels_lower_for_cuda_with_triton(name, method, 
     matmul = {"int8_matmul"} if quantization else set()
     assert triton_kernels(decode) == {"tree_attention"} | matmul
     assert triton_kernels(start) == matmul  # the prefill attends under a dense causal mask, through XLA
+
+
+def test_drafting_inside_the_verify_pass_lowers_for_cuda_with_triton():
+    # 25 rows per verify at gamma 4 (the chain and every node's branch), through the same tree-attention kernel
+    start, decode = lower_steps(*abstract_build("smollm2-135m", "s3d", None, "chain", in_verify="on"))
+    assert triton_kernels(decode) == {"tree_attention"}

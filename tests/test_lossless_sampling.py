@@ -25,6 +25,7 @@ from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
 from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
 from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import SpecDecoder
 from tests.tiny import LLAMA, random_correction, random_params
@@ -169,6 +170,20 @@ def test_s3d_giving_way_to_lookup_samples_the_target_distribution(params):
     plan = decoder.drafter.inner.plan
     assert chi_square_p(sampled_joint(params, decoder, init_draft(params, SMALL, plan)),
                         exact_joint(SHAPED)) > SIGNIFICANCE
+
+
+def test_drafting_inside_the_verify_pass_samples_the_target_distribution(params):
+    # A chain of 1: after a first step that accepts nothing, the second verifies what the first's branch drew, its
+    # q rescored given the bonus token. The adapters are made non-zero, so the branch rows differ from the chain's
+    # by more than the mask token.
+    plan = SkipPlan.parse("1-2", SMALL.num_layers)
+    drafter = InVerifyS3DDrafter(SMALL, plan, trees.TreeSpec.chain(1), 1)
+    decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=SHAPED), drafter)
+    draft = init_draft(params, SMALL, plan, lora_rank=2)
+    keys = iter(jax.random.split(jax.random.key(5), 100))
+    draft["lora"] = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(next(keys), a.shape), draft["lora"])
+    draft["correction"] = random_correction(SMALL, 3)
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(SHAPED)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):

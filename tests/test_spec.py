@@ -10,15 +10,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
+from s3djax.model import Decoder
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import tree as trees
+from s3djax.speculative import verify as verify_module
 from s3djax.cache import init_cache
 from s3djax.sampling import Sampling
 from s3djax.speculative.draft_params import init_draft, load_draft, save_draft
 from s3djax.speculative.drafters.base import Drafter
+from s3djax.speculative.drafters.lookup import WithLookup
 from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
 from tiny import LLAMA, PHI3, random_correction, random_params
@@ -180,6 +185,51 @@ def oracle_runner(config, params, reference, gamma, eos=(), cache=CACHE):
     decoder = SpecDecoder.create(ARDecoder(config, cache, eos_ids=eos), OracleDrafter(config, TreeSpec.chain(gamma), gamma))
     padded = jnp.zeros(cache + gamma + 2, jnp.int32).at[:len(reference)].set(jnp.asarray(reference))
     return Runner(decoder, (params, {"reference": padded}))
+
+
+@pytest.mark.parametrize("config, skip", [(LLAMA, "1"), (PHI3, "2.attn,1.mlp")], ids=["llama", "phi3-sub-layers"])
+def test_the_verify_pass_drafts_what_a_block_after_each_anchor_would(config, skip):
+    # The chain's logits are plain tree verification's; each anchor's branch is a draft block, [anchor token, masks]
+    # run alone through the draft's plan and adapters, after the chain before the anchor went through the target.
+    params, plan, k = random_params(config, 0), SkipPlan.parse(skip, config.num_layers), 3
+    draft = perturbed_draft(params, config, plan, 3)
+    drafter = InVerifyS3DDrafter(config, plan, TreeSpec.chain(k), k)
+    prompt = jnp.asarray([list(range(10, 22)), list(range(30, 42))], jnp.int32)
+    state = SpecDecoder.create(ARDecoder(config, 48, eos_ids=()), drafter).ar.start(params, prompt, jnp.asarray([12, 9]),
+                                                                        jax.random.key(0))
+    cache, length, last = state["cache"], state["length"], state["last"]
+    nodes = jax.random.randint(jax.random.key(1), (2, k), 0, config.vocab_size)
+    logits, branches, _ = drafter.forward(params, draft, cache, length, last, nodes)
+    want, _ = verify_module.score(params, cache, length, last, nodes, config=config, tree=drafter.tree.arrays(2))
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    tokens, positions = jnp.concatenate([last[:, None], nodes], 1), length[:, None] + jnp.arange(k + 1)
+    _, chained = Decoder(config).apply({"params": params}, tokens, positions, cache, length, kv.causal(length, k + 1))
+    masks = jnp.broadcast_to(draft["mask_embed"], (2, k, config.hidden_size))
+    for anchor in range(k + 1):
+        start, token = length + anchor, Decoder(config).apply({"params": params}, tokens[:, anchor:anchor + 1],
+                                                              method="embed_tokens")
+        alone, _ = Decoder(config, plan).apply({"params": params}, None, start[:, None] + jnp.arange(k + 1), chained,
+                                               start, kv.causal(start, k + 1),
+                                               embeds=jnp.concatenate([token, masks], 1), lora=draft["lora"])
+        np.testing.assert_allclose(branches[:, anchor], alone[:, 1:], rtol=1e-4, atol=1e-5)
+    assert np.abs(np.asarray(branches[:, 0] - branches[:, 1])).max() > 1e-3  # the anchors' branches differ
+
+
+@pytest.mark.parametrize("config, gamma, skip", [(LLAMA, 1, "1-2"), (LLAMA, 3, "1"), (PHI3, 4, "2.attn,1.mlp")])
+def test_drafting_inside_the_verify_pass_is_lossless(config, gamma, skip):
+    params, plan = random_params(config, 0), SkipPlan.parse(skip, config.num_layers)
+    drafter = InVerifyS3DDrafter(config, plan, TreeSpec.chain(gamma), gamma)
+    cases = [([5], CACHE), ([3, 1, 4, 1, 5, 9, 2, 6], CACHE), (list(range(1, 12)), 40)]  # the last meets the cache end
+    accepted = 0
+    perturbed = perturbed_draft(params, config, plan, 3)
+    for draft in (init_draft(params, config, plan), perturbed, corrected(perturbed, config, 9)):
+        for wrapped in (drafter, WithLookup(drafter, switch=1, ngram=2)):
+            for prompt, cache in cases:
+                spec = Runner(SpecDecoder.create(ARDecoder(config, cache, eos_ids=()), wrapped), (params, draft))
+                got = spec.generate(prompt, 60)
+                assert got.tokens == ar_runner(config, params, cache=cache).generate(prompt, 60).tokens, prompt
+                accepted += sum(got.stats["accepted_per_step"])
+    assert accepted > 0
 
 
 def test_eos_inside_an_accepted_path_ends_the_output_there():

@@ -31,7 +31,7 @@ class SpecDecoder:
         if not ar.sampling.greedy:
             drafter.tree.check_sampling()
         # Slack covers the draft block, the tree's scratch slots and one step's output (depth + 1).
-        return cls(dataclasses.replace(ar, slack=max(drafter.tree.num_nodes, drafter.gamma)), drafter)
+        return cls(dataclasses.replace(ar, slack=drafter.scratch_nodes), drafter)
 
     @property
     def max_cache_len(self):

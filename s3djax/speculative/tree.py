@@ -44,6 +44,15 @@ class TreeArrays(NamedTuple):
         return jnp.any(self.paths[..., None] == jnp.arange(self.num_nodes), axis=2)
 
 
+def ancestor_matrix(parents: np.ndarray) -> np.ndarray:
+    """[N, N] bool from each node's parent (every parent before its child, the root its own): node i may
+    attend to node j (j is i or an ancestor of i)."""
+    anc = np.eye(len(parents), dtype=bool)
+    for i in range(1, len(parents)):
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeSpec:
     paths: tuple[tuple[int, ...], ...]  # sorted by depth, then lexicographically; root excluded
@@ -152,11 +161,7 @@ class TreeSpec:
     @property
     def ancestors(self) -> np.ndarray:
         """[N, N] bool: node i may attend to node j (j is i or an ancestor of i)."""
-        n, parents = self.num_nodes, self.parents
-        anc = np.eye(n, dtype=bool)
-        for i in range(1, n):
-            anc[i] |= anc[parents[i]]
-        return anc
+        return ancestor_matrix(self.parents)
 
     def arrays(self, batch: int) -> TreeArrays:
         return TreeArrays(*(jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)

@@ -12,6 +12,11 @@ class Drafter:
     # at a step whose chain another source drafted (`WithLookup`): its caches and state as if it had drafted `nodes`.
     gave_way = None
 
+    @property
+    def scratch_nodes(self) -> int:
+        """Cache slots a step writes past the committed length: the draft block's or the tree's."""
+        return max(self.tree.num_nodes, self.gamma)
+
     def init_state(self, params, draft, prompt, lengths, cache):
         return ()
 

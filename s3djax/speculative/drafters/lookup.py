@@ -110,6 +110,10 @@ class WithLookup(Drafter):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def scratch_nodes(self) -> int:
+        return self.inner.scratch_nodes
+
     def init_state(self, params, draft, prompt, lengths, cache):
         return (self.inner.init_state(params, draft, prompt, lengths, cache),
                 init_history(prompt, cache, self.tree.depth))

@@ -72,7 +72,12 @@ class S3DDrafter(Drafter):
         logits = self.head_logits(params, draft, hidden)
         if "correction" in draft:
             return *self.corrected(params, draft, hidden, logits, last, key, sampling), cache, state
-        b, k = last.shape[0], self.tree.max_rank + 1
+        nodes, valid, q, state = self.propose(draft, logits, state, key, sampling)
+        return nodes, valid, q, cache, state
+
+    def propose(self, draft, logits, state, key, sampling: Sampling):
+        """(nodes, valid, q, state): the tree's tokens from the draft's logits [B, gamma, V_draft] by depth."""
+        b, k = logits.shape[0], self.tree.max_rank + 1
         if sampling.greedy:
             top, candidates = (jnp.max(logits, -1, keepdims=True), jnp.argmax(logits, -1)[..., None]) if k == 1 \
                 else top_k(logits, k)
@@ -92,15 +97,16 @@ class S3DDrafter(Drafter):
         nodes = draft_vocab.token_ids(draft, candidates[rows, depth, rank]).astype(jnp.int32)
         state = tree if self.tree.dynamic else state
         if sampling.greedy:
-            return nodes, jnp.ones(nodes.shape, bool), None, cache, state
+            return nodes, jnp.ones(nodes.shape, bool), None, state
         valid = jnp.isfinite(drawn[rows, depth, rank])  # q(x) = 0 is no draw
         q = jnp.exp(logq)[rows, jnp.minimum(tree.depths, self.gamma - 1)]                  # node -> q of depth + 1
         q = draft_vocab.full_probs(draft, q, self.config.vocab_size)
-        return nodes, valid, q, cache, state
+        return nodes, valid, q, state
 
-    def corrected(self, params, draft, hidden, logits, last, key, sampling: Sampling):
+    def corrected(self, params, draft, hidden, logits, last, key, sampling: Sampling, *, from_masks: bool = False):
         """(nodes, valid, q) of a static tree drafted depth by depth with the previous-token correction:
-        a node's children are its depth's top candidates rescored given the node's own token."""
+        a node's children are its depth's top candidates rescored given the node's own token. `from_masks`:
+        the positions [B, gamma] are all mask tokens, so the root's children are rescored given `last` too."""
         tree, b, width = self.tree, last.shape[0], self.tree.max_rank + 1
         assert not tree.dynamic, "a corrected draft drafts static trees"  # methods drops the correction for a dynamic one
         base, cand = top_k(logits, min(CANDIDATES, logits.shape[-1]))                 # [B, gamma, K]
@@ -117,8 +123,8 @@ class S3DDrafter(Drafter):
             if sampling.greedy and not len(kids):
                 continue
             at = min(d, self.gamma - 1)  # a leaf at depth gamma has no position; its q is never read
-            scores = base[:, at, None]  # the root's children: depth 1's position saw the last token itself
-            if d:
+            scores = base[:, at, None]  # the root's children: a block's depth 1 position saw the last token itself
+            if d or from_masks:
                 embeds = decoder.apply({"params": params}, nodes[:, level], method="embed_tokens")
                 scores = scores + jnp.einsum("bnd,bkd->bnk", delta(draft["correction"], hidden[:, at, None], embeds),
                                              head_rows[:, at])
