@@ -220,15 +220,16 @@ def test_drafting_inside_the_verify_pass_is_lossless(config, gamma, skip):
     params, plan = random_params(config, 0), SkipPlan.parse(skip, config.num_layers)
     drafter = InVerifyS3DDrafter(config, plan, TreeSpec.chain(gamma), gamma)
     cases = [([5], CACHE), ([3, 1, 4, 1, 5, 9, 2, 6], CACHE), (list(range(1, 12)), 40)]  # the last meets the cache end
-    accepted = 0
     perturbed = perturbed_draft(params, config, plan, 3)
-    for draft in (init_draft(params, config, plan), perturbed, corrected(perturbed, config, 9)):
-        for wrapped in (drafter, WithLookup(drafter, switch=1, ngram=2)):
-            for prompt, cache in cases:
-                spec = Runner(SpecDecoder.create(ARDecoder(config, cache, eos_ids=()), wrapped), (params, draft))
-                got = spec.generate(prompt, 60)
-                assert got.tokens == ar_runner(config, params, cache=cache).generate(prompt, 60).tokens, prompt
-                accepted += sum(got.stats["accepted_per_step"])
+    runs = [(init_draft(params, config, plan), drafter),  # no adapters at all
+            (perturbed, WithLookup(drafter, switch=1, ngram=2)), (corrected(perturbed, config, 9), drafter)]
+    accepted = 0
+    for draft, wrapped in runs:
+        for prompt, cache in cases:
+            spec = Runner(SpecDecoder.create(ARDecoder(config, cache, eos_ids=()), wrapped), (params, draft))
+            got = spec.generate(prompt, 60)
+            assert got.tokens == ar_runner(config, params, cache=cache).generate(prompt, 60).tokens, prompt
+            accepted += sum(got.stats["accepted_per_step"])
     assert accepted > 0
 
 
