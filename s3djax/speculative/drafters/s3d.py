@@ -69,14 +69,16 @@ class S3DDrafter(Drafter):
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         hidden, cache = self.block_hidden(params, draft, cache, length, last)
-        logits = self.head_logits(params, draft, hidden)
-        if "correction" in draft:
-            return *self.corrected(params, draft, hidden, logits, last, key, sampling), cache, state
-        nodes, valid, q, state = self.propose(draft, logits, state, key, sampling)
+        nodes, valid, q, state = self.propose(params, draft, hidden, last, state, key, sampling)
         return nodes, valid, q, cache, state
 
-    def propose(self, draft, logits, state, key, sampling: Sampling):
-        """(nodes, valid, q, state): the tree's tokens from the draft's logits [B, gamma, V_draft] by depth."""
+    def propose(self, params, draft, hidden, last, state, key, sampling: Sampling, *, from_masks: bool = False):
+        """(nodes, valid, q, state): the tree's tokens from a block's final-normed states [B, gamma, D] after the
+        token `last`, through the previous-token correction where the draft has one (`from_masks`: see
+        `corrected`)."""
+        logits = self.head_logits(params, draft, hidden)
+        if "correction" in draft:
+            return *self.corrected(params, draft, hidden, logits, last, key, sampling, from_masks=from_masks), state
         b, k = logits.shape[0], self.tree.max_rank + 1
         if sampling.greedy:
             top, candidates = (jnp.max(logits, -1, keepdims=True), jnp.argmax(logits, -1)[..., None]) if k == 1 \

@@ -85,6 +85,7 @@ class InVerifyS3DDrafter(S3DDrafter):
     def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
         b = last.shape[0]
         logits, branches, cache = self.forward(params, draft, cache, length, last, nodes)
+        draw_key = None
         if not sampling.greedy:
             key, draw_key = jax.random.split(key)
         cache, accepted, emitted, path = verify.settle(logits, cache, length, last, nodes, valid,
@@ -93,12 +94,7 @@ class InVerifyS3DDrafter(S3DDrafter):
         # The branch of the deepest accepted anchor drafted the k tokens after the bonus token, which a previous-token
         # correction now knows.
         rows = jnp.arange(b)
-        hidden = branches[rows, accepted]
-        drafted, draw_key = self.head_logits(params, draft, hidden), None if sampling.greedy else draw_key
-        if "correction" in draft:
-            nodes, valid, q = self.corrected(params, draft, hidden, drafted, emitted[rows, accepted], draw_key,
-                                             sampling, from_masks=True)
-        else:
-            nodes, valid, q, _ = self.propose(draft, drafted, (), draw_key, sampling)
+        nodes, valid, q, _ = self.propose(params, draft, branches[rows, accepted], emitted[rows, accepted], (),
+                                          draw_key, sampling, from_masks=True)
         state = {"nodes": nodes, "valid": valid, "q": state["q"] if q is None else q.astype(state["q"].dtype)}
         return cache, accepted, emitted, path, state
