@@ -18,6 +18,18 @@ def device_slug() -> str:
     return "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-").lower()
 
 
+def timing_args(module: str, doc: str, repeats: int):
+    """The flags of a timing benchmark that writes one table: --repeats (at least 1) and --out."""
+    from s3djax.cli import Parser
+
+    p = Parser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    p.check(args, repeats=args.repeats >= 1)
+    return args
+
+
 def write(out_dir: str, name: str, table: str) -> str:
     print(table)
     os.makedirs(out_dir, exist_ok=True)

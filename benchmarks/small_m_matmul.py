@@ -17,18 +17,14 @@ import datetime
 import os
 
 from benchmarks import report
-from s3djax.cli import Parser, run
+from s3djax.cli import run
 
 K, N, LAYERS = 576, 1536, 30  # SmolLM2's hidden and MLP widths, one matmul per layer
 ROWS = (1, 2, 3, 5, 9, 17, 32)
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.small_m_matmul", description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
-    p.check(args, repeats=args.repeats >= 1)
+    args = report.timing_args("benchmarks.small_m_matmul", __doc__, repeats=20)
 
     import jax
     import jax.numpy as jnp

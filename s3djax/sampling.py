@@ -1,11 +1,23 @@
-"""Turning logits into the next token: greedy, or temperature with top-k / top-p, on device."""
+"""Turning logits into the next token: greedy, or temperature with top-k / top-p, on device.
+
+Nothing here sorts the vocabulary on the common path. Top-p's cut is found among the largest
+`CANDIDATES` logits (one `lax.top_k`), which decides it exactly whenever the nucleus lies inside
+them; only a row whose nucleus is wider falls back to the full sort. A token is drawn by inverse
+CDF with one uniform per row, where `jax.random.categorical` draws a Gumbel per vocabulary entry.
+docs/sampling.md has the measurements.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+
+# How many of the largest logits top-p's threshold is searched among before the full sort. Any value is exact;
+# it only bounds the common path's work (a top-k of 256 costs about what 16 of the vocabulary's exps do).
+CANDIDATES = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,23 +48,109 @@ def top_k(x, k: int):
 
 
 def process_logits(logits, s: Sampling):
-    """Temperature-scaled logits with the top-k / top-p tails set to -inf (the target distribution)."""
+    """Temperature-scaled logits with the top-k / top-p tails set to -inf (the target distribution).
+
+    Top-k keeps every token at least as large as the k-th largest; top-p then keeps the smallest
+    prefix of the descending order whose mass reaches top_p (a token is cut when the mass before it
+    already does), and every token tied with that prefix's last.
+    """
     logits = logits.astype(jnp.float32) / s.temperature
-    if s.top_k and s.top_k < logits.shape[-1]:  # a top-k as wide as the logits cuts nothing
-        kth = top_k(logits, s.top_k)[0][..., -1:]
+    v = logits.shape[-1]
+    cut_k = 0 < s.top_k < v  # a top-k as wide as the logits cuts nothing
+    if not cut_k and s.top_p == 1.0:
+        return logits
+    largest = top_k(logits, min(v, max(CANDIDATES, s.top_k)))[0]  # descending
+    if cut_k:
+        kth = largest[..., s.top_k - 1:s.top_k]
+        logits, largest = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, largest))
+    if s.top_p < 1.0:
+        def threshold(order, probs):
+            """The nucleus's smallest logit, and whether `order` (a descending prefix) reached its cut."""
+            cut = (jnp.cumsum(probs, axis=-1) - probs) >= s.top_p
+            return jnp.min(jnp.where(cut, jnp.inf, order), axis=-1, keepdims=True), jnp.any(cut, axis=-1)
+
+        def sorted_threshold():
+            order = jnp.sort(logits, axis=-1)[..., ::-1]
+            return threshold(order, jax.nn.softmax(order, axis=-1))[0]
+
+        if largest.shape[-1] < v:
+            # The candidates' probabilities share the full sort's numerators and prefix sums; only the normalizer is
+            # summed in another order, which can move the cut where the mass before a token is within rounding of
+            # top_p (tests/test_sampling.py).
+            peak = largest[..., :1]
+            probs = jnp.exp(largest - peak) / jnp.sum(jnp.exp(logits - peak), -1, keepdims=True)
+            inside, found = threshold(largest, probs)
+            inside = jax.lax.cond(jnp.all(found), lambda: inside, sorted_threshold)
+        else:  # the candidates are the whole sorted vocabulary
+            inside = threshold(largest, jax.nn.softmax(largest, axis=-1))[0]
+        logits = jnp.where(logits < inside, -jnp.inf, logits)
+    return logits
+
+
+def process_logits_reference(logits, s: Sampling):
+    """`process_logits` by its definition: top-k by `lax.top_k`, top-p by a full descending sort of the vocabulary
+    (which `process_logits` falls back to). Tests and benchmarks.sampling_cost compare the two."""
+    logits = logits.astype(jnp.float32) / s.temperature
+    if 0 < s.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if s.top_p < 1.0:
         order = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(order, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token is cut when the mass before it already does.
         cut = (jnp.cumsum(probs, axis=-1) - probs) >= s.top_p
         threshold = jnp.min(jnp.where(cut, jnp.inf, order), axis=-1, keepdims=True)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
     return logits
 
 
+def draw(key, logits):
+    """One index per row [...] from softmax(logits [..., V]) (entries of -inf never drawn)."""
+    return _inverse_cdf(key, _blocked(logits, -jnp.inf, jnp.exp))
+
+
+def draw_from_probs(key, probs):
+    """One index per row [...] from unnormalized probabilities [..., V] (zeros never drawn)."""
+    return _inverse_cdf(key, _blocked(probs, 0.0, None))
+
+
+def _blocked(x, fill, to_weights):
+    """[..., V] -> non-negative weights [..., n, width], padded with zero weight: about sqrt(V) blocks of sqrt(V)."""
+    v = x.shape[-1]
+    width = math.isqrt(v - 1) + 1
+    n = -(-v // width)
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, n * width - v)], constant_values=fill)
+    if to_weights is not None:
+        x = to_weights(x - jnp.max(x, axis=-1, keepdims=True))
+    return x.reshape(*x.shape[:-1], n, width)
+
+
+def _inverse_cdf(key, weights):
+    """The index of weights [..., n, width] where one uniform draw falls in their running sum: the block by the
+    blocks' running sum, then the entry by the block's own. Both searches take the first sum above the target,
+    and the target is kept below the last sum, so the entry drawn has positive weight however the sums round."""
+    n, width = weights.shape[-2:]
+    blocks = jnp.cumsum(jnp.sum(weights, -1), -1)                                      # [..., n]
+    total = blocks[..., -1]
+    target = jnp.minimum(jax.random.uniform(key, total.shape) * total, jnp.nextafter(total, 0.0))
+    block = jnp.sum(blocks <= target[..., None], -1)
+    before = jnp.where(block > 0, jnp.take_along_axis(blocks, jnp.maximum(block - 1, 0)[..., None], -1)[..., 0], 0.0)
+    inner = jnp.cumsum(jnp.take_along_axis(weights, block[..., None, None], -2)[..., 0, :], -1)  # [..., width]
+    rest = jnp.clip(target - before, 0.0, jnp.nextafter(inner[..., -1], 0.0))
+    return (block * width + jnp.sum(inner <= rest[..., None], -1)).astype(jnp.int32)
+
+
+def draws(key, logq, k: int):
+    """k draws without replacement from softmax(logq [..., V]), in the order drawn: (their scores, indices) [..., k].
+    A score is -inf where q had fewer than k tokens to give. One draw is `draw`'s; more are Gumbel-top-k
+    (Kool et al. 2019): the k best of log q + Gumbel noise are k draws from q one after another."""
+    if k == 1:
+        index = draw(key, logq)[..., None]
+        return jnp.take_along_axis(logq, index, -1), index
+    return top_k(logq + jax.random.gumbel(key, logq.shape), k)
+
+
 def sample(logits, key, s: Sampling):
     """[..., V] logits -> [...] int32 tokens."""
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, process_logits(logits, s), axis=-1).astype(jnp.int32)
+    return draw(key, process_logits(logits, s))

@@ -16,7 +16,9 @@ from scipy import stats
 from s3djax import model
 from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
-from s3djax.sampling import Sampling, process_logits
+from s3djax import sampling as sampling_module
+from s3djax.sampling import Sampling
+from s3djax.sampling import process_logits_reference as process_logits
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab
 from s3djax.speculative import tree as trees
@@ -35,6 +37,13 @@ SMALL = ModelConfig(arch="llama", vocab_size=12, hidden_size=32, intermediate_si
 PROMPT = [1, 5, 3, 7]
 SAMPLES = 16_000
 SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
+
+
+@pytest.fixture(autouse=True)
+def few_candidates(monkeypatch):
+    """Top-p searches its cut among 4 candidates of the 12 tokens, so a sampled step takes the candidates' path at
+    some rows and the full sort at others; the exact distribution is the full sort's (`process_logits_reference`)."""
+    monkeypatch.setattr(sampling_module, "CANDIDATES", 4)
 
 
 @functools.cache
@@ -68,13 +77,15 @@ def exact_joint(sampling: Sampling) -> np.ndarray:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_joint(params, decoder, draft) -> np.ndarray:
-    """Counts [V, V, V] of the first three new tokens over SAMPLES seeds, in one vmapped call."""
+def sampled_joint(params, decoder, draft, **overrides) -> np.ndarray:
+    """Counts [V, V, V] of the first three new tokens over SAMPLES seeds, in one vmapped call; `overrides` set
+    entries of the start state (the pause gate's)."""
     prompt, lengths = jnp.asarray([PROMPT], jnp.int32), jnp.asarray([len(PROMPT)], jnp.int32)
     both = params if draft is None else (params, draft)
 
     def three(key):
-        state = decoder.decode(both, decoder.start(both, prompt, lengths, key), jnp.int32(3))
+        state = {**decoder.start(both, prompt, lengths, key), **{k: jnp.asarray(v) for k, v in overrides.items()}}
+        state = decoder.decode(both, state, jnp.int32(3))
         return state["tokens"][0, :3]
 
     tokens = np.asarray(jax.jit(jax.vmap(three))(jax.random.split(jax.random.key(0), SAMPLES)))
@@ -102,18 +113,28 @@ def spec_decoder(sampling, tree, gamma=4, skip="1-2"):
 
 T1 = Sampling(temperature=1.0)
 SHAPED = Sampling(temperature=0.7, top_k=6, top_p=0.9)
+NUCLEUS = Sampling(temperature=0.5, top_p=0.6)  # nuclei of 3 to 5 tokens: inside the 4 candidates or not
 
 
-def test_the_target_itself_passes(params):
-    # The test of the harness: plain AR sampling against the brute-force distribution.
-    decoder = ARDecoder(SMALL, 32, eos_ids=(), sampling=T1)
-    exact = exact_joint(T1)
+@pytest.mark.parametrize("sampling", [T1, SHAPED, NUCLEUS], ids=["t1", "shaped", "nucleus"])
+def test_the_target_itself_passes(params, sampling):
+    # The test of the harness, and of AR's own sampler: plain AR sampling against the brute-force distribution.
+    decoder = ARDecoder(SMALL, 32, eos_ids=(), sampling=sampling)
+    exact = exact_joint(sampling)
     assert exact.max() < 0.5 and (exact > 1e-3).sum() > 40  # spread enough to say something
     assert chi_square_p(sampled_joint(params, decoder, None), exact) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8"), (SHAPED, "dynamic-8")],
-                         ids=["t1-chain", "t1-tree16", "shaped-tree8", "shaped-dynamic8"])
+def test_top_p_takes_both_paths_here(params):
+    rows = jnp.asarray([PROMPT + [t] for t in range(SMALL.vocab_size)], jnp.int32)
+    kept = (np.asarray(next_token_probs(params, rows, NUCLEUS)) > 0).sum(-1)  # each nucleus's size
+    assert (kept <= sampling_module.CANDIDATES).any() and (kept > sampling_module.CANDIDATES).any(), kept
+
+
+@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8"), (SHAPED, "dynamic-8"),
+                                            (NUCLEUS, "chain"), (NUCLEUS, "tree-8")],
+                         ids=["t1-chain", "t1-tree16", "shaped-tree8", "shaped-dynamic8", "nucleus-chain",
+                              "nucleus-tree8"])
 def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
@@ -146,6 +167,20 @@ def test_autoregressive_drafting_samples_the_target_distribution(params):
     drafter = SelfSpecDrafter(SMALL, plan, trees.TreeSpec.spine(3, 2), AdaptiveThreshold(initial=0.2))
     decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=T1), drafter)
     assert chi_square_p(sampled_joint(params, decoder, {}), exact_joint(T1)) > SIGNIFICANCE
+
+
+def test_s2d_nested_drafting_samples_the_target_distribution(params):
+    # S2D's chain from its early exits, under top-k and top-p together.
+    from s3djax.speculative.drafters.s2d import S2DDrafter
+    from s3djax.speculative.drafters.s2d_artifact import init_lora
+
+    keys = iter(jax.random.split(jax.random.key(3), 100))
+    lora = init_lora(params, SMALL, 3, 2, jax.random.key(2))
+    draft = {"lora": jax.tree.map(lambda a: a + 0.3 * jax.random.normal(next(keys), a.shape), lora),
+             "thresholds": jnp.asarray([0.3, 0.3, 0.3])}
+    decoder = SpecDecoder.create(ARDecoder(SMALL, 32, eos_ids=(), sampling=SHAPED),
+                                 S2DDrafter(SMALL, trees.TreeSpec.chain(3), (1, 2, 3)))
+    assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(SHAPED)) > SIGNIFICANCE
 
 
 def test_a_kangaroo_draft_vocabulary_samples_the_target_distribution(params):
@@ -184,6 +219,18 @@ def test_drafting_inside_the_verify_pass_samples_the_target_distribution(params)
     draft["lora"] = jax.tree.map(lambda a: a + 0.3 * jax.random.normal(next(keys), a.shape), draft["lora"])
     draft["correction"] = random_correction(SMALL, 3)
     assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(SHAPED)) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("lookup", [False, True], ids=["s3d", "s3d-giving-way-to-lookup"])
+def test_pausing_by_the_running_acceptance_samples_the_target_distribution(params, lookup):
+    # The first step drafts; whether the next ones do depends on what earlier steps accepted (rate 0.6 against a
+    # breakeven of 0.5: one rejected step pauses the next).
+    decoder, plan = spec_decoder(NUCLEUS, "chain", gamma=2)
+    if lookup:
+        decoder = SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, switch=1, ngram=2))
+    counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan), rate=np.float32(0.6),
+                           breakeven=np.float32(0.5))
+    assert chi_square_p(counts, exact_joint(NUCLEUS)) > SIGNIFICANCE
 
 
 def test_a_broken_acceptance_rule_is_caught(params, monkeypatch):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from s3djax.cache import PrefixTreeMask
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
-from s3djax.sampling import Sampling, process_logits
+from s3djax.sampling import Sampling, draw_from_probs, process_logits
 from s3djax.speculative.tree import TreeArrays
 
 
@@ -81,7 +81,7 @@ def sample_accept(tokens, probs, child_probs, valid, key, tree: TreeArrays):
             q = jnp.where(rejected, _normalized(q.at[rows, tok].set(0.0)), q)
         going, cur = going & found, nxt
         r = jnp.where(found[:, None], probs[rows, cur], r)
-    final = jax.random.categorical(keys[-1], jnp.log(r), axis=-1).astype(jnp.int32)
+    final = draw_from_probs(keys[-1], r)
     return cur, final
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from s3djax.cache import PrefixTreeMask
 from s3djax.errors import UserError
-from s3djax.sampling import Sampling, process_logits, top_k
+from s3djax.sampling import Sampling, draws, process_logits, top_k
 from s3djax.speculative import draft_vocab
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import TreeSpec, resolve
@@ -77,8 +77,8 @@ class ChainDrafter(Drafter):
             else:
                 logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)
                 probs = jnp.exp(logq)
-                # Gumbel-top-k: k draws from q without replacement, in the order verification tries them.
-                scores, candidates = top_k(logq + jax.random.gumbel(keys[d], logq.shape), k)
+                # k draws from q without replacement, in the order verification tries them.
+                scores, candidates = draws(keys[d], logq, k)
                 candidates, ok = draft_vocab.token_ids(draft, candidates), jnp.isfinite(scores)
                 child_probs = child_probs.at[:, jnp.where(d == 0, 0, 1 + (d - 1) * k)].set(
                     draft_vocab.full_probs(draft, probs, self.config.vocab_size))

@@ -20,7 +20,7 @@ from s3djax import cache as kv
 from s3djax import quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
-from s3djax.sampling import Sampling, process_logits, top_k
+from s3djax.sampling import Sampling, draws, process_logits, top_k
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab, draft_weights
 from s3djax.speculative.correction import CANDIDATES, delta
@@ -30,6 +30,7 @@ from s3djax.speculative.tree import DynamicTree, TreeSpec
 
 @dataclasses.dataclass(frozen=True)
 class S3DDrafter(Drafter):
+    pause = Drafter.unchanged  # it drafts from the target's cache and keeps no state between steps
     config: ModelConfig
     plan: SkipPlan
     tree: TreeSpec | DynamicTree
@@ -87,9 +88,8 @@ class S3DDrafter(Drafter):
             scores = top.astype(jnp.float32) - jax.nn.logsumexp(logits.astype(jnp.float32), -1, keepdims=True)
         else:
             logq = jax.nn.log_softmax(process_logits(logits, sampling), axis=-1)              # [B, gamma, V_draft]
-            # Gumbel-top-k: the k best of log q + Gumbel noise are k draws from q one after another
-            # without replacement (Kool et al. 2019), the order sampled verification tries them in.
-            drawn, candidates = top_k(logq + jax.random.gumbel(key, logq.shape), k)
+            # k draws from q without replacement, in the order sampled verification tries them.
+            drawn, candidates = draws(key, logq, k)
             # A dynamic tree's shape comes from q, never from the draws: which children a node tries
             # must not depend on what they turn out to be, or the rejection rule stops being exact.
             scores = top_k(logq, k)[0]
@@ -134,8 +134,8 @@ class S3DDrafter(Drafter):
                 order = top_k(scores, width)[1]
             else:
                 logq = jax.nn.log_softmax(process_logits(scores, sampling), axis=-1)            # [B, n_d, K]
-                # Gumbel-top-k, as in `draft`: draws without replacement, in the order verification tries them
-                drawn, order = top_k(logq + jax.random.gumbel(jax.random.fold_in(key, d), logq.shape), width)
+                # draws without replacement, in the order verification tries them, as in `propose`
+                drawn, order = draws(jax.random.fold_in(key, d), logq, width)
                 probs = jnp.zeros((b, len(level), logits.shape[-1]), jnp.float32).at[
                     rows[..., None], jnp.arange(len(level))[None, :, None], cand[:, at, None]].set(jnp.exp(logq))
                 q = q.at[:, level].set(draft_vocab.full_probs(draft, probs, self.config.vocab_size))
