@@ -20,6 +20,11 @@ import numpy as np
 from s3djax.decode import ARDecoder
 from s3djax.errors import UserError
 
+# The pause gate: the latest verify step's weight in the running acceptance (drafts accepted per step), and how many
+# steps in a row may pause before one drafts again to see whether drafts pay once more.
+RATE_WEIGHT = 0.25
+PROBE_EVERY = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecDecoder:
@@ -52,7 +57,11 @@ class SpecDecoder:
         # Per verify step, the drafts accepted and the depth drafted (-1: no step yet); at most one step per token.
         log = jnp.full(self.ar.max_cache_len, -1, jnp.int32)
         return {**state, "drafter": self.drafter.init_state(target, draft, prompt, lengths, state["cache"]),
-                "accepted_log": log, "drafted_log": log, "iteration": jnp.int32(0)}
+                "accepted_log": log, "drafted_log": log, "iteration": jnp.int32(0),
+                # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
+                # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused.
+                "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
+                "paused": jnp.int32(0)}
 
     def decode(self, params, state, stop_at):
         target, draft = params
@@ -62,7 +71,7 @@ class SpecDecoder:
         def cond(s):
             return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
 
-        def body(s):
+        def drafting(s):
             key, draft_key, verify_key = jax.random.split(s["key"], 3)
             nodes, valid, child_probs, cache, dstate = drafter.draft(target, draft, s["cache"], s["length"], s["last"],
                                                                      s["drafter"], draft_key, sampling)
@@ -82,7 +91,24 @@ class SpecDecoder:
                     "done": s["done"] | eos.any(1), "drafter": dstate,
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
                     "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
-                    "iteration": s["iteration"] + 1, "key": key}
+                    "iteration": s["iteration"] + 1, "key": key,
+                    "rate": (1 - RATE_WEIGHT) * s["rate"] + RATE_WEIGHT * accepted[0], "idle": jnp.int32(0)}
+
+        def paused(s):
+            """A step without a draft: the target's own step, as `ar` takes it, and the drafter told of it."""
+            dstate = drafter.pause(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
+            return {**s, **self.ar.advance(target, s), "drafter": dstate, "idle": s["idle"] + 1,
+                    "paused": s["paused"] + 1}
+
+        def body(s):
+            if drafter.pause is None:
+                return drafting(s)
+            # A step drafts while the running acceptance pays for it, and every PROBE_EVERY-th paused step, to
+            # measure it again. Both read only the past, so each step's token keeps the target's distribution. Each
+            # branch is a loop of at most one turn, not a `lax.cond`, which would copy the K/V cache.
+            draft_now = (s["rate"] >= s["breakeven"]) | (s["idle"] >= PROBE_EVERY)
+            s = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), drafting(c[1])), (draft_now, s))[1]
+            return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), paused(c[1])), (~draft_now, s))[1]
 
         return jax.lax.while_loop(cond, body, state)
 
@@ -90,7 +116,8 @@ class SpecDecoder:
         log, drafted = np.asarray(state["accepted_log"]), np.asarray(state["drafted_log"])
         drafted = drafted[drafted >= 0]
         return {**acceptance(log[log >= 0], self.drafter.tree.depth),
-                "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist()}
+                "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist(),
+                "paused_steps": int(state["paused"])}
 
 
 def acceptance(accepted, depth: int) -> dict:

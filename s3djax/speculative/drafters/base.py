@@ -11,6 +11,14 @@ class Drafter:
     # `gave_way(params, draft, cache, length, last, nodes, state) -> (cache, state)`, where a drafter has work to do
     # at a step whose chain another source drafted (`WithLookup`): its caches and state as if it had drafted `nodes`.
     gave_way = None
+    # `pause(params, draft, cache, length, last, state) -> state`, where a drafter keeps its state through a step that
+    # drafts nothing (the target's own step on `last` at slot `length`); None where it cannot, and then every step
+    # drafts (the loop's pause gate, `s3djax.speculative.loop`).
+    pause = None
+
+    def unchanged(self, params, draft, cache, length, last, state):
+        """`pause` for a drafter whose state a step without a draft leaves as it is."""
+        return state
 
     @property
     def scratch_nodes(self) -> int:

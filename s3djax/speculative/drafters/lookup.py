@@ -63,6 +63,9 @@ class LookupDrafter(Drafter):
     def update(self, history, length, accepted, path, emitted):
         return record(history, length, emitted)
 
+    def pause(self, params, draft, cache, length, last, history):
+        return history.at[jnp.arange(last.shape[0]), length].set(last)
+
 
 def look_up(history, length, last, ngram: int, depth: int):
     """(history with `last` at slot `length`, then `propose`'s tokens, valid, n) from there."""
@@ -157,3 +160,13 @@ class WithLookup(Drafter):
 
     def update(self, state, length, accepted, path, emitted):
         return self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted)
+
+    @property
+    def pause(self):
+        if self.inner.pause is None:
+            return None
+
+        def pause(params, draft, cache, length, last, state):
+            return (self.inner.pause(params, draft, cache, length, last, state[0]),
+                    LookupDrafter.pause(self, params, draft, cache, length, last, state[1]))
+        return pause

@@ -35,6 +35,7 @@ from s3djax.speculative.tree import ancestor_matrix
 
 @dataclasses.dataclass(frozen=True)
 class InVerifyS3DDrafter(S3DDrafter):
+    pause = None  # a step's chain comes from the verify pass before it
     """S3D on a chain of gamma whose verify forward drafts the next chain. State: the next chain's {"nodes"
     [B, gamma], "valid", "q" [B, gamma + 1, V] (sampling's child_probs, root first)}."""
 

@@ -55,6 +55,7 @@ class AdaptiveThreshold:
 
 @dataclasses.dataclass(frozen=True)
 class SelfSpecDrafter(ChainDrafter):
+    pause = ChainDrafter.unchanged  # its threshold learns from verify steps alone; its draft reads the target's cache
     """Draft params: {} (the plan is static), {"attn", "mlp"} flags (the search's traced plan), a draft
     vocabulary's {"vocab", "head"} (the plan file's "vocab", `train.draft_vocab`), and int8 "weights"
     (`s3djax.speculative.draft_weights`)."""

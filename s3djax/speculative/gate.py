@@ -1,0 +1,118 @@
+"""When a speculative step pays, measured on the machine at hand: the pause gate's breakeven.
+
+A step that drafts costs `draft_s`, a step that does not (the target's own) `pause_s`; drafting pays
+while it commits more than draft_s / pause_s tokens a step, that is while the drafts accepted per
+step reach `breakeven = draft_s / pause_s - 1`. The loop (`s3djax.speculative.loop`) compares this
+with its running acceptance. Both step times are measured once per machine, decoder and weights'
+shapes, in the decoder's own compiled loop (forcing every step to draft, then none), and cached in
+the user's cache folder; S3DJAX_TUNE=off keeps every step drafting, S3DJAX_TUNE=again measures anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s3djax import device
+
+ENV = "S3DJAX_TUNE"
+PROMPT = "Summarize the plot of a famous novel in a few sentences, then say why it is still read today."
+# Tokens decoded in each timed stretch: a warm-up, then drafting and pausing twice each, interleaved, the faster
+# of each pair kept (another process taking the cores makes a stretch slower, never faster).
+STRETCHES = (("draft", 4), ("draft", 24), ("pause", 12), ("draft", 24), ("pause", 12))
+
+
+def cache_path() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "s3djax", "step-costs.json")
+
+
+def key(decoder, params) -> str:
+    """What the step times depend on: the machine (its CPU or GPU and jax), the decoder (model shape, method,
+    tree, plan, sampling, cache length) and the weights' shapes and dtypes."""
+    shapes = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(params) if hasattr(a, "shape")]
+    text = json.dumps([device.describe(), repr(decoder), shapes])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def read() -> dict:
+    path = cache_path()
+    try:
+        with open(path) as f:
+            table = json.load(f)
+        if not isinstance(table, dict) or not all(isinstance(v, dict) and isinstance(v.get("breakeven"), (int, float))
+                                                  for v in table.values()):
+            raise ValueError("not a table of step costs")
+        return table
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"note: ignoring {path} ({e}); measuring again", file=sys.stderr)
+        return {}
+
+
+def write(table: dict) -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"note: cannot save step costs to {path} ({e.strerror}); they are measured again next time",
+              file=sys.stderr)
+
+
+def measure(runner, prompt_ids: list[int]) -> dict | None:
+    """Seconds per drafting step and per paused step, in the runner's compiled loop on `prompt_ids`' cache; None
+    where the cache is too short to time them."""
+    d, params = runner.decoder, runner.params
+    args = runner._prompt_args(prompt_ids, 0)
+    state = runner._compiled("start", d.start, *args)[0](params, *args)
+    decode = runner._compiled("decode", d.decode, state, jnp.int32(0))[0]
+    best = {}
+    for i, (mode, tokens) in enumerate(STRETCHES):
+        drafting = mode == "draft"
+        counter = "iteration" if drafting else "paused"
+        # An EOS does not end a timed stretch: what is decoded is never shown, only how long it took.
+        state = {**state, "breakeven": jnp.float32(-math.inf if drafting else math.inf),
+                 "idle": jnp.int32(0 if drafting else -(1 << 30)), "done": jnp.zeros_like(state["done"])}
+        before, t = int(state[counter]), time.perf_counter()
+        state = decode(params, state, jnp.int32(int(state["step"]) + tokens))
+        steps = int(state[counter]) - before  # a sync: the stretch has run
+        seconds = time.perf_counter() - t
+        if steps == 0:
+            return None
+        if i:  # the first stretch only warms up
+            best[mode] = min(best.get(mode, math.inf), seconds / steps)
+    return {"draft_s": best["draft"], "pause_s": best["pause"], "breakeven": best["draft"] / best["pause"] - 1}
+
+
+def tune(runner, prompt_ids, name: str) -> float | None:
+    """Set the runner's breakeven from the cache, else measure it (saying so in one line); None where the decoder
+    has no gate, S3DJAX_TUNE=off, or the cache is too short to measure. `prompt_ids()` gives the prompt to
+    measure on."""
+    drafter = getattr(runner.decoder, "drafter", None)
+    mode = os.environ.get(ENV, "").lower()
+    if drafter is None or drafter.pause is None or mode == "off":
+        return None
+    k, table = key(runner.decoder, runner.params), read()
+    if k not in table or mode == "again":
+        print(f"measuring when {name}'s drafts pay on this machine (once; {ENV}=off skips it)...", file=sys.stderr,
+              flush=True)
+        found = measure(runner, prompt_ids())
+        if found is None:
+            return None
+        table = {**table, k: {**found, "device": device.describe(), "date": time.strftime("%Y-%m-%d")}}
+        write(table)
+    runner.overrides["breakeven"] = np.float32(table[k]["breakeven"])
+    return table[k]["breakeven"]

@@ -1,0 +1,139 @@
+"""The pause gate: steps that draft nothing keep greedy output `ar`'s for every drafter that can pause, and the
+breakeven is measured once per machine and decoder, cached, and its cache keyed and checked."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from s3djax.decode import ARDecoder, Runner
+from s3djax.skip_plan import SkipPlan
+from s3djax.speculative import gate
+from s3djax.speculative import tree as trees
+from s3djax.speculative.draft_params import init_draft
+from s3djax.speculative.drafters.kangaroo import KangarooDrafter
+from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
+from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
+from s3djax.speculative.loop import PROBE_EVERY, SpecDecoder
+from tests.tiny import LLAMA, random_params
+
+CACHE = 96
+PLAN = SkipPlan.parse("1-2", LLAMA.num_layers)
+
+
+def drafters():
+    s3d = S3DDrafter(LLAMA, PLAN, trees.TreeSpec.chain(3), 3)
+    return {"s3d": s3d, "lookup": LookupDrafter(LLAMA, trees.TreeSpec.chain(3), ngram=2),
+            "s3d+lookup": WithLookup(s3d, switch=1, ngram=2),
+            "self-spec": SelfSpecDrafter(LLAMA, PLAN, trees.TreeSpec.chain(3), AdaptiveThreshold(initial=0.3))}
+
+
+def runner(drafter, params, **kw):
+    draft = init_draft(params, LLAMA, PLAN) if isinstance(drafter, (S3DDrafter, WithLookup)) else {}
+    return Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=(), **kw), drafter), (params, draft))
+
+
+@pytest.mark.parametrize("name", ["s3d", "lookup", "s3d+lookup", "self-spec"])
+@pytest.mark.parametrize("breakeven", [float("inf"), 0.5])
+def test_pausing_keeps_greedy_output_ars(name, breakeven):
+    params = random_params(LLAMA, 0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
+    expected = Runner(ARDecoder(LLAMA, CACHE, eos_ids=()), params).generate(prompt, 50).tokens
+    spec = runner(drafters()[name], params)
+    spec.overrides["breakeven"] = np.float32(breakeven)
+    got = spec.generate(prompt, 50)
+    assert got.tokens == expected
+    paused, steps = got.stats["paused_steps"], got.stats["verify_steps"]
+    assert paused > 0 and steps > 0
+    if breakeven == float("inf"):  # only the probes draft
+        assert steps <= paused // PROBE_EVERY + 2
+
+
+def test_drafters_that_cannot_pause_draft_every_step():
+    params = random_params(LLAMA, 0)
+    kangaroo = KangarooDrafter(LLAMA, trees.TreeSpec.chain(2), exit_layer=1, eta=0.0)
+    assert kangaroo.pause is None and WithLookup(kangaroo).pause is None
+    assert gate.tune(Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), kangaroo), (params, {})),
+                     lambda: [1, 2, 3], "kangaroo") is None
+
+
+@pytest.fixture
+def cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(gate.ENV, "")
+    return tmp_path / "s3djax" / "step-costs.json"
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    calls = []
+    real = gate.measure
+
+    def counted(runner, prompt_ids):
+        calls.append(1)
+        return real(runner, prompt_ids)
+
+    monkeypatch.setattr(gate, "measure", counted)
+    return calls
+
+
+def test_the_breakeven_is_measured_once_and_keyed_by_decoder(cache_home, measured, capsys):
+    params, prompt = random_params(LLAMA, 0), lambda: list(range(1, 8))
+    first = gate.tune(runner(drafters()["s3d"], params), prompt, "s3d")
+    table = json.loads(cache_home.read_text())
+    (entry,) = table.values()
+    assert entry["breakeven"] == first and entry["draft_s"] > 0 and entry["pause_s"] > 0 and "CPU" in entry["device"]
+    assert "measuring when s3d's drafts pay" in capsys.readouterr().err
+    again = runner(drafters()["s3d"], params)
+    assert gate.tune(again, prompt, "s3d") == first and len(measured) == 1  # read, not measured
+    assert float(again.overrides["breakeven"]) == pytest.approx(first)
+    gate.tune(runner(drafters()["lookup"], params), prompt, "lookup")  # another decoder: another key
+    assert len(measured) == 2 and len(json.loads(cache_home.read_text())) == 2
+
+
+def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line(cache_home, measured, capsys):
+    params = random_params(LLAMA, 0)
+    for text in ("{not json", json.dumps({"k": {"breakeven": "high"}}), json.dumps([1, 2])):
+        cache_home.parent.mkdir(parents=True, exist_ok=True)
+        cache_home.write_text(text)
+        assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3, 4], "s3d") is not None
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+        assert len(notes) == 1 and "ignoring" in notes[0]
+        assert len(json.loads(cache_home.read_text())) == 1  # rewritten whole
+    assert len(measured) == 3
+
+
+def test_the_switch_turns_the_gate_off_or_measures_again(cache_home, measured, monkeypatch):
+    params = random_params(LLAMA, 0)
+    monkeypatch.setenv(gate.ENV, "off")
+    spec = runner(drafters()["s3d"], params)
+    assert gate.tune(spec, lambda: [1, 2, 3], "s3d") is None and not spec.overrides and not cache_home.exists()
+    monkeypatch.setenv(gate.ENV, "again")
+    for _ in range(2):
+        gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d")
+    assert len(measured) == 2
+
+
+def test_the_key_names_the_machine_and_the_weights_shapes():
+    params = random_params(LLAMA, 0)
+    decoder = runner(drafters()["s3d"], params).decoder
+    assert gate.key(decoder, params) == gate.key(decoder, random_params(LLAMA, 1))  # values do not matter
+    assert gate.key(decoder, params) != gate.key(decoder, jax.tree.map(lambda a: a.astype("bfloat16"), params))
+    other = runner(S3DDrafter(LLAMA, PLAN, trees.TreeSpec.chain(2), 2), params).decoder
+    assert gate.key(decoder, params) != gate.key(other, params)
+
+
+def test_smollm2_s3d_and_lookup_at_their_measured_gate_equal_ar(smollm2, cache_home):
+    from s3djax.generator import Generator
+
+    gen = Generator.from_model(smollm2, max_cache_len=128)
+    text = "List four planets and one fact about each."
+    expected = gen.generate(text, 40).token_ids
+    for method in ("s3d", "lookup"):
+        out = gen.generate(text, 40, method=method)
+        assert out.token_ids == expected
+        runner = gen.session(method).runner
+        stored = json.loads(cache_home.read_text())[gate.key(runner.decoder, runner.params)]["breakeven"]
+        assert float(runner.overrides["breakeven"]) == pytest.approx(stored)
