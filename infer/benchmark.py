@@ -31,7 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d, lookup; ar-xla (ar with "
-                   "XLA's dot instead of the CPU matmul kernel); the Hugging Face peers hf-ar, hf-early-exit, "
+                   "XLA's dot instead of the CPU matmul kernel); ar-greedy (ar decoding greedily whatever the sampling flags, "
+                   "what sampling costs); the Hugging Face peers hf-ar, hf-early-exit, "
                    "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
                    "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is)")
     p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
@@ -46,13 +47,17 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("xla", "pallas"), default="xla")
     p.add_method_options(several=True)
     p.add_sampling()
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together: ar runs them as one batch (each "
+                   "row's tokens/s being its share of the batch's time); the speculative methods draft one prompt "
+                   "after another, what drafting in a batch would cost them (a Generator decodes a batch by the "
+                   "target's own steps), and the peers run one after another")
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
     args = p.parse_args(argv)
     args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
     args.dataset = [d for d in args.dataset.split(",") if d]
     limits = parse_limits(args.limit, args.dataset)
-    p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2)
+    p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2, batch=args.batch >= 1)
     args.limit = limits
     return args
 
@@ -105,8 +110,10 @@ def summarize(runs: list[dict], baseline: list[dict] | None, *, depth: int, memo
     if any("accepted_per_step" in r for r in runs):
         stats = acceptance(steps, depth)
         drafted = [d for r in runs for d in r.get("drafted_per_step", ())]
+        paused = sum(r.get("paused_steps", 0) for r in runs)
         out.update(tau=stats["mean_accepted_tokens"], acceptance_by_depth=stats["acceptance_by_depth"],
-                   verify_steps=stats["verify_steps"], mean_drafted=float(np.mean(drafted)) if drafted else None)
+                   verify_steps=stats["verify_steps"], mean_drafted=float(np.mean(drafted)) if drafted else None,
+                   paused=paused / max(paused + stats["verify_steps"], 1))
     return out
 
 
@@ -129,27 +136,49 @@ def method_options(args, name: str) -> dict:
                 top_p=args.top_p)
 
 
-class JaxMethod:
+class Method:
+    """A method the benchmark times: a call runs one prompt; a batch runs several, one after another unless the
+    method decodes batches."""
+
+    def batch(self, rows, n):
+        return [self(ids, n) for ids in rows]
+
+
+class JaxMethod(Method):
     """One of our decoders, built once on the Generator's weights; a run is a timed Runner.generate."""
 
-    def __init__(self, name, gen, args):
+    def __init__(self, name, gen, args, greedy: bool = False):
         from s3djax import quant
 
-        session = gen.session(name, **method_options(args, name))
+        options = method_options(args, name)
+        session = gen.session(name, **(dict(options, temperature=0.0) if greedy else options))
         self.seed = args.seed
         self.warnings, self.about = session.warnings, session.about
+        breakeven = session.runner.overrides.get("breakeven")
+        if breakeven is not None:
+            self.about += f"; a step drafts while it accepts {float(breakeven):.2f}+ drafts (measured here)"
         self.runner = session.runner
         decoder = session.built.decoder
         self.depth = decoder.drafter.tree.depth if hasattr(decoder, "drafter") else 0
         self.memory_bytes = quant.param_bytes(session.built.params) + kv_cache_bytes(gen.config, args)
 
     def __call__(self, ids, n):
-        r = self.runner.generate(ids, n, seed=self.seed)
+        return self.row(self.runner.generate(ids, n, seed=self.seed))
+
+    def batch(self, rows, n):
+        """One batch where the decoder takes one (ar), each row charged its share of the batch's decode time."""
+        if len(rows) == 1 or self.depth:
+            return super().batch(rows, n)
+        return [{**self.row(r), "decode_s": r.decode_s / len(rows)}
+                for r in self.runner.generate_batch(rows, n, seed=self.seed)]
+
+    @staticmethod
+    def row(r):
         return {"tokens": r.tokens, "decode_s": r.decode_s, "ttft_s": r.ttft_s, "compile_s": r.compile_s,
-                **({k: r.stats[k] for k in ("accepted_per_step", "drafted_per_step")} if r.stats else {})}
+                **({k: r.stats[k] for k in ("accepted_per_step", "drafted_per_step", "paused_steps")} if r.stats else {})}
 
 
-class LlamaCppMethod:
+class LlamaCppMethod(Method):
     """A llama.cpp peer on the model's own GGUF; memory counts its file and a KV cache as long as ours."""
 
     def __init__(self, name, gguf, m, args):
@@ -175,7 +204,7 @@ def _version(module: str) -> str:
         return "?"
 
 
-class PeerMethod:
+class PeerMethod(Method):
     """A transformers peer; memory counts its parameters and a KV cache as long as ours."""
 
     def __init__(self, name, model, m, args, exit_layer=None):
@@ -200,6 +229,9 @@ def build_methods(args, gen, prompts_for_tuning, notes):
     for name in args.methods:
         if name in METHODS:
             built[name] = JaxMethod(name, gen, args)
+        elif name == "ar-greedy":
+            built[name] = JaxMethod("ar", gen, args, greedy=True)
+            built[name].about = "ar decoding greedily, whatever the sampling flags"
         elif name == "ar-xla":  # the same weights, unpacked, every product through XLA's dot
             xla = Generator.from_model(dataclasses.replace(m, config=m.config.replace(cpu_kernel=False)),
                                        dtype=args.dtype, max_cache_len=args.max_cache_len)
@@ -259,7 +291,7 @@ def main(argv=None):
 
     if args.gamma is None:  # recorded as it ran, for readers of results.json (benchmarks.projection)
         args.gamma = default_gamma(args.tree)
-    known = METHODS + ("ar-xla",) + peers.PEERS + llamacpp.PEERS
+    known = METHODS + ("ar-xla", "ar-greedy") + peers.PEERS + llamacpp.PEERS
     unknown = [name for name in args.methods if name not in known]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(known)}")
@@ -287,16 +319,20 @@ def main(argv=None):
         notes.extend(method.warnings)
     for name, method in methods.items():  # compile and warm up apart from the timed runs
         method(first[0]["ids"], 8)
+    if args.batch > 1:
+        for method in methods.values():  # the batch's own executables too
+            method.batch([p["ids"] for p in first[:args.batch]], 8)
     runs = {d: {name: [] for name in methods} for d in sets}
     names = list(methods)
     with progress.bar(total=sum(map(len, sets.values())) * len(names), desc="benchmark", unit="run") as bar:
         for d, items in sets.items():
-            for i, p in enumerate(items):
+            for i, at in enumerate(range(0, len(items), args.batch)):
+                group = items[at:at + args.batch]
                 for name in names[i % len(names):] + names[:i % len(names)]:
-                    bar.set_postfix_str(f"{d} {p['id']} {name}")
-                    runs[d][name].append({"id": p["id"], "prompt_tokens": len(p["ids"]),
-                                          **methods[name](p["ids"], args.max_new_tokens)})
-                    bar.update()
+                    bar.set_postfix_str(f"{d} {group[0]['id']} {name}")
+                    rows = methods[name].batch([p["ids"] for p in group], args.max_new_tokens)
+                    runs[d][name].extend({"id": p["id"], "prompt_tokens": len(p["ids"]), **r} for p, r in zip(group, rows))
+                    bar.update(len(group))
     ar_memory = methods["ar"].memory_bytes
     summary = {d: {name: summarize(r, None if name == "ar" else runs[d]["ar"], depth=methods[name].depth,
                                    memory_bytes=methods[name].memory_bytes, baseline_memory_bytes=ar_memory,
@@ -332,27 +368,32 @@ def markdown(record: dict) -> str:
     s = record["settings"]
     decoding = "greedy" if not s["temperature"] else (f"sampled at temperature {s['temperature']}, top-k {s['top_k']}, "
                                                       f"top-p {s['top_p']}, seed {s['seed']}")
+    batch = s.get("batch", 1)
     lines = [f"# Benchmark: {record['model']}, {', '.join(record['summary'])}", "",
              f"- device: {record['device']}",
              f"- date: {record['date']}; commit {record['commit']}",
              f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
              f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}",
+             *([f"- batches of {batch} prompts: ar decodes each as one batch, every other method one prompt after "
+                "another; tokens/s is over the batches' decode time"] if batch > 1 else []),
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "
-             "in this run; tau: tokens per verify step, bonus included; drafted: draft depth per step; M: speedup / (memory / ar memory), memory "
+             "in this run; tau: tokens per verify step, bonus included; drafted: draft depth per step; paused: the share "
+             "of steps that drafted nothing (the pause gate); M: speedup / (memory / ar memory), memory "
              "being parameters plus KV cache; identical: outputs equal to `ar`'s (greedy only: sampled outputs "
              "differ by design, and lossless then means the same distribution).", "",
-             "| dataset | method | prompts | tokens/s | speedup | tau | drafted | alpha_1..k | M | TTFT ms | memory MiB | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| dataset | method | prompts | tokens/s | speedup | tau | drafted | paused | alpha_1..k | M | TTFT ms | memory MiB | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for d, per in record["summary"].items():
         for name, r in per.items():
             alphas = r.get("acceptance_by_depth", [])
             alpha = " / ".join(f"{a:.2f}" for a in alphas[:6]) + (" / ..." if len(alphas) > 6 else "") or "-"
             tau = f"{r['tau']:.2f}" if "tau" in r else "-"
             drafted = f"{r['mean_drafted']:.2f}" if r.get("mean_drafted") is not None else "-"
+            paused = f"{r['paused']:.0%}" if "paused" in r else "-"
             identical = "-" if r["identical"] is None else f"{r['identical']:.0%}"
-            lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | {drafted} | "
+            lines.append(f"| {d} | {name} | {r['prompts']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {tau} | {drafted} | {paused} | "
                          f"{alpha} | {r['memory_normalized_speedup']:.2f} | {r['ttft_s'] * 1000:.0f} | "
                          f"{r['memory_bytes'] / 2**20:.0f} | {identical} |")
     return "\n".join(lines)

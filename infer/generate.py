@@ -22,6 +22,8 @@ def parse_args(argv=None):
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="prompt text (default: --prompt-file, else stdin, else a built-in prompt)")
     source.add_argument("--prompt-file", help="read the prompt from this file")
+    source.add_argument("--batch-file", help="decode every prompt of this file as one batch: a prompt a line, or JSON "
+                        "lines each with a \"prompt\" string; prints each answer (with --json, a JSON object a line)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -62,8 +64,58 @@ def read_prompt(args) -> str:
     return DEFAULT_PROMPT
 
 
+def read_batch(path: str) -> list[str]:
+    """The prompts of a --batch-file: JSON lines ({"prompt": ...}) if every non-blank line is one, else a prompt a line."""
+    from s3djax.errors import UserError
+
+    try:
+        with open(path) as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read --batch-file: {getattr(e, 'strerror', None) or e}: {path}") from None
+    if not lines:
+        raise UserError(f"--batch-file {path} has no prompts")
+    if all(line.lstrip().startswith("{") for line in lines):
+        prompts = []
+        for i, line in enumerate(lines, 1):
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--batch-file {path} line {i}: not JSON ({e.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                raise UserError(f'--batch-file {path} line {i}: expected an object with a "prompt" string')
+            prompts.append(item["prompt"])
+        return prompts
+    return lines
+
+
+def main_batch(args):
+    from s3djax import methods
+    from s3djax.generator import Generator
+
+    prompts = read_batch(args.batch_file)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
+                    max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
+                    load=False, **methods.options(args, args.method))
+    for prompt in prompts:  # every prompt is checked before a weight is read
+        gen.check(prompt, chat_template=not args.no_chat_template, **sampling)
+    print(f"decoding {len(prompts)} prompts...", file=sys.stderr, flush=True)
+    outs = gen.generate(prompts, args.max_new_tokens, seed=args.seed, chat_template=not args.no_chat_template,
+                        **sampling)
+    for i, out in enumerate(outs):
+        print(json.dumps({"index": i, **out.json()}) if args.json else f"--- {i}\n{out.text}", flush=True)
+    new = sum(len(o.token_ids) for o in outs)
+    rate = outs[0].stats.get("batch_tokens_per_s", outs[0].tokens_per_s)
+    plain = " by the target's own steps (a batch does not draft)" if args.method != "ar" and len(outs) > 1 else ""
+    print(f"[{args.method}] {len(outs)} prompts, {new} new tokens, one batch{plain}, {rate:.1f} tokens/s decode "
+          f"over all rows; on {outs[0].device}", file=sys.stderr)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.batch_file:
+        return main_batch(args)
     prompt = read_prompt(args)
     from s3djax import methods
     from s3djax.generator import Generator

@@ -81,20 +81,22 @@ class ARDecoder:
         """Generate until every row hit EOS, the cache is full, or `stop_at` tokens exist."""
 
         def cond(s):
-            return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < self.max_cache_len)
+            return (s["step"] < stop_at) & ~jnp.all(s["done"])
 
-        def body(s):
-            slots = s["length"]
-            hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots,
-                                       kv.causal(slots, 1))
-            key, sub = jax.random.split(s["key"])
-            nxt = sample(self._logits(params, hidden[:, 0]), sub, self.sampling)
-            nxt = jnp.where(s["done"], self.pad_id, nxt)
-            tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], nxt[:, None], s["step"], axis=1)
-            return dict(tokens=tokens, cache=cache, step=s["step"] + 1, last=nxt, length=slots + 1,
-                        done=s["done"] | self.is_eos(nxt), key=key)
+        return jax.lax.while_loop(cond, lambda s: {**s, **self.advance(params, s)}, state)
 
-        return jax.lax.while_loop(cond, body, state)
+    def advance(self, params, s):
+        """One token per row: the state's tokens, cache, step, last, length, done and key after one forward."""
+        slots = s["length"]
+        hidden, cache = self._step(params, s["last"][:, None], slots[:, None], s["cache"], slots, kv.causal(slots, 1))
+        key, sub = jax.random.split(s["key"])
+        nxt = sample(self._logits(params, hidden[:, 0]), sub, self.sampling)
+        nxt = jnp.where(s["done"], self.pad_id, nxt)
+        tokens = jax.lax.dynamic_update_slice_in_dim(s["tokens"], nxt[:, None], s["step"], axis=1)
+        # A row ends at EOS or where its cache is full; the others of a batch go on.
+        length = slots + ~s["done"]
+        return dict(tokens=tokens, cache=cache, step=s["step"] + 1, last=nxt, length=length,
+                    done=s["done"] | self.is_eos(nxt) | (length >= self.max_cache_len), key=key)
 
 
 def bucket(length: int, max_len: int) -> int:
@@ -128,6 +130,7 @@ class Runner:
 
     def __init__(self, decoder: ARDecoder, params):
         self.decoder, self.params = decoder, params
+        self.overrides: dict = {}  # start-state entries set after the prefill (the pause gate's measured breakeven)
 
     def _compiled(self, name: str, fn, *args):
         key = (self.decoder, name, signature((self.params, *args)))
@@ -166,18 +169,45 @@ class Runner:
                 return finished.value
             on_tokens(tokens)
 
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> list[Result]:
+        """Generate for several prompts as one batch: a row per prompt in every decode step, each row stopping at its
+        own EOS or cache end. Each prompt is prefilled alone, as `generate` prefills it, so a greedy row is what
+        `generate` gives for its prompt. The rows share the decode time; row i's prefill draws with seed + i."""
+        steps = self._run(prompts, max_new_tokens, seed, None)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as finished:
+                return finished.value
+
     def iterate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                 chunk: int | None = 16) -> Iterator[list[int]]:
         """Yields all new tokens so far after the first and after each `chunk` decode steps, and returns
         the Result; chunk None decodes in one call and yields nothing (no host sync between steps)."""
+        steps = self._run([prompt_ids], max_new_tokens, seed, chunk)
+        while True:
+            try:
+                rows = next(steps)
+            except StopIteration as finished:
+                return finished.value[0]
+            yield rows[0]
+
+    def _run(self, prompts: list[list[int]], max_new_tokens: int, seed: int, chunk: int | None):
         d = self.decoder
-        n = len(prompt_ids)
-        max_new_tokens = min(max_new_tokens, d.max_cache_len - n)
-        args = self._prompt_args(prompt_ids, seed)
-        start, compile_s = self._compiled("start", d.start, *args)
+        budgets = [min(max_new_tokens, d.max_cache_len - len(ids)) for ids in prompts]
+        args = [self._prompt_args(ids, seed + i) for i, ids in enumerate(prompts)]
+        compile_s = 0.0
+        for a in args:  # one executable per prompt bucket, compiled before the clock starts
+            compile_s += self._compiled("start", d.start, *a)[1]
         t = time.perf_counter()
-        state = start(self.params, *args)
-        first = np.asarray(state["tokens"])[0, :1].tolist()
+        state = stack_rows([self._compiled("start", d.start, *a)[0](self.params, *a) for a in args])
+        state = {**state, **{k: jnp.asarray(v) for k, v in self.overrides.items()}}  # fresh: the loop donates them
+        eos = set(getattr(d, "ar", d).eos_ids)
+
+        def new(step):  # each row's tokens so far: its budget's worth, up to its EOS (later slots are padding)
+            rows = [row[:min(step, b)] for row, b in zip(np.asarray(state["tokens"]).tolist(), budgets)]
+            return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
+        first = new(1)
         ttft = time.perf_counter() - t
         if chunk:
             yield first
@@ -185,18 +215,27 @@ class Runner:
         decode, c = self._compiled("decode", d.decode, state, stop)
         compile_s += c
         t = time.perf_counter()
-        step, done = 1, bool(np.asarray(state["done"]).all())
-        while step < max_new_tokens and not done:
-            stop_at = min(max_new_tokens, step + chunk) if chunk else max_new_tokens
+        step, done, most = 1, bool(np.asarray(state["done"]).all()), max(budgets)
+        while step < most and not done:
+            stop_at = min(most, step + chunk) if chunk else most
             state = decode(self.params, state, jnp.int32(stop_at))
             new_step = int(state["step"])
             done = bool(np.asarray(state["done"]).all()) or new_step == step
             step = new_step
             if chunk:
-                yield np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist()
+                yield new(step)
         decode_s = time.perf_counter() - t
         # A speculative step may emit past the budget; the extra tokens are dropped.
-        tokens = np.asarray(state["tokens"])[0, :min(step, max_new_tokens)].tolist()
         stats = d.stats(state) if hasattr(d, "stats") else {}
-        return Result(tokens=tokens, prompt_tokens=n, compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
-                      stats=stats)
+        return [Result(tokens=tokens, prompt_tokens=len(ids), compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
+                       stats=stats) for tokens, ids in zip(new(step), prompts)]
+
+
+def stack_rows(states: list[dict]) -> dict:
+    """One batch state from one-row states: arrays with a batch axis are stacked on it; the step counter, the key
+    and the rest are the first row's."""
+    if len(states) == 1:
+        return states[0]
+    batched = {"tokens", "cache", "last", "length", "done"}
+    return {k: jax.tree.map(lambda *a: jnp.concatenate(a, 0), *[s[k] for s in states]) if k in batched else v
+            for k, v in states[0].items()}

@@ -21,6 +21,7 @@ from s3djax.errors import UserError
 from s3djax.loading import LoadedModel, ModelSource, open_model
 from s3djax.registry import DEFAULT_MODEL
 from s3djax.sampling import Sampling
+from s3djax.speculative import gate
 from s3djax.tokenizer import encode_prompt
 
 
@@ -190,33 +191,56 @@ class Generator:
         self._checked[key].check_prompt(len(ids))
         return ids
 
-    def _key(self, method: str | None, sampling: Sampling, options: dict) -> tuple:
+    def _key(self, method: str | None, sampling: Sampling, options: dict, defaults: bool = True) -> tuple:
         """What a built method depends on besides the weights."""
-        return method or self.method, sampling, tuple(sorted({**self.options, **options}.items()))
+        return method or self.method, sampling, tuple(sorted({**(self.options if defaults else {}), **options}.items()))
 
     def session(self, method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                **options) -> Session:
-        """The method built on the loaded weights; built once per method, options and sampling."""
-        key = self._key(method, Sampling(temperature, top_k, top_p), options)
+                defaults: bool = True, **options) -> Session:
+        """The method built on the loaded weights; built once per method, options and sampling. `defaults`: the
+        Generator's own options apply where these do not say otherwise."""
+        key = self._key(method, Sampling(temperature, top_k, top_p), options, defaults)
         if key not in self._sessions:
             if self.model is None:  # bad options fail before the weights are read
                 self.check(method=method, temperature=temperature, top_k=top_k, top_p=top_p, **options)
             method, sampling, options = key[0], key[1], dict(key[2])
             built = methods.build(method, self.load(), max_cache_len=self.max_cache_len, dtype=self.dtype,
                                   sampling=sampling, **options)
-            self._sessions[key] = Session(method, built, Runner(built.decoder, built.params))
+            runner = Runner(built.decoder, built.params)
+            gate.tune(runner, lambda: encode_prompt(self.tokenizer, gate.PROMPT, False), method)
+            self._sessions[key] = Session(method, built, runner)
         return self._sessions[key]
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, method: str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat_template: bool = True, **options) -> Output | list[Output]:
-        """The completion of one prompt, or of each prompt in a list (one after another)."""
-        if isinstance(prompt, (list, tuple)):
-            return [self.generate(p, max_new_tokens, method=method, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, seed=seed, chat_template=chat_template, **options) for p in prompt]
-        session, ids = self._start(prompt, max_new_tokens, method, chat_template,
-                                   dict(temperature=temperature, top_k=top_k, top_p=top_p), options)
-        return self._output(session, session.runner.generate(ids, max_new_tokens, seed=seed))
+        """The completion of one prompt, or of each prompt in a list, decoded as one batch: each row greedy-identical
+        to its prompt alone, an Output's tokens_per_s its row's and stats["batch_tokens_per_s"] the whole batch's.
+        A batch is decoded by the target's own steps whatever the method, since drafting stops paying there: drafting
+        one prompt at a time measured slower than the batch of plain steps (docs/sampling.md#batches)."""
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        if not isinstance(prompt, (list, tuple)):
+            session, ids = self._start(prompt, max_new_tokens, method, chat_template, sampling, options)
+            return self._output(session, session.runner.generate(ids, max_new_tokens, seed=seed))
+        if not prompt:
+            raise UserError("no prompts to generate for")
+        if len(prompt) == 1:
+            return [self.generate(prompt[0], max_new_tokens, method=method, seed=seed, chat_template=chat_template,
+                                  **sampling, **options)]
+        self.check(method=method, **sampling, **options)  # the method's options are still the user's to get right
+        method = method or self.method
+        session = (self.session("ar", **sampling, **options) if method == "ar" else
+                   self.session("ar", **sampling, defaults=False))  # the target alone: no draft's skip plan
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        rows = [encode_prompt(self.tokenizer, p, chat_template) for p in prompt]
+        for ids in rows:
+            session.built.decoder.check_prompt(len(ids))
+        results = session.runner.generate_batch(rows, max_new_tokens, seed=seed)
+        total = sum(max(len(r.tokens) - 1, 0) for r in results) / results[0].decode_s if results[0].decode_s else 0.0
+        for r in results:
+            r.stats = {**r.stats, "batch": len(results), "batch_tokens_per_s": total}
+        return [self._output(session, r) for r in results]
 
     def stream(self, prompt: str, max_new_tokens: int = 128, *, method: str | None = None, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat_template: bool = True, chunk: int = 16,

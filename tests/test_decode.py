@@ -71,6 +71,24 @@ def test_generation_stops_when_the_cache_is_full(tiny_params):
         Runner(ARDecoder(TINY, 20, eos_ids=()), tiny_params).generate(list(range(20)), 5)
 
 
+def test_a_batch_decodes_each_row_as_it_decodes_alone(tiny_params):
+    # Rows of different lengths, one stopping at its EOS and one at the cache's end, the others going on.
+    prompts = [[5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(10, 30)), list(range(40, 84))]
+    eos = naive_greedy(tiny_params, TINY, prompts[1], 6)[3]
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=(eos,)), tiny_params)
+    alone = [runner.generate(p, 30).tokens for p in prompts]
+    assert len(alone[1]) <= 4 and len(alone[3]) == 64 - 44 and len({tuple(a) for a in alone}) == 4
+    batch = runner.generate_batch(prompts, 30)
+    assert [r.tokens for r in batch] == alone
+    assert [r.prompt_tokens for r in batch] == [len(p) for p in prompts]
+
+
+def test_a_sampled_batch_is_seeded_and_its_rows_differ(tiny_params):
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=(), sampling=Sampling(1.0)), tiny_params)
+    a, b = ([r.tokens for r in runner.generate_batch([[1, 2, 3]] * 3, 10, seed=s)] for s in (0, 0))
+    assert a == b and len({tuple(row) for row in a}) == 3
+
+
 @pytest.mark.parametrize("cache", [200, 1000])
 def test_decoding_past_several_key_blocks_matches_naive_recomputation(tiny_params, cache):
     # Caches over 128 slots attend over the occupied prefix in 128-key blocks (the last one clamped).

@@ -61,9 +61,8 @@ def test_switching_methods_reuses_the_weights_and_the_compiled_steps(gen, loads,
     s3d = gen.generate(PROMPT, max_new_tokens=16, method="s3d", tree="tree-8")
     assert s3d.text == ar.text and len(loads) == read
     before = compiles()
-    again = gen.generate([PROMPT, "What is 2 + 2?"], max_new_tokens=16, method="s3d", tree="tree-8")
-    assert [o.text for o in again][0] == ar.text and again[1].text and len(again) == 2
-    assert compiles() == before and again[0].compile_s == 0.0 and len(loads) == read
+    again = gen.generate(PROMPT, max_new_tokens=16, method="s3d", tree="tree-8")
+    assert again.text == ar.text and compiles() == before and again.compile_s == 0.0 and len(loads) == read
 
 
 def test_streamed_text_adds_up_to_the_generated_text(gen):
@@ -90,3 +89,36 @@ def test_a_bad_option_raises_the_command_lines_message(gen, options, flags, caps
 def test_a_prompt_too_long_for_the_cache_is_a_user_error(gen):
     with pytest.raises(s3djax.UserError, match="raise --max-cache-len"):
         gen.generate("word " * 200, max_new_tokens=8)
+
+
+def test_a_list_of_prompts_is_one_batch_with_each_answer_as_alone(gen, tmp_path, capsys):
+    prompts = [PROMPT, "What is 2 + 2?", "Write a haiku about rain."]
+    alone = [gen.generate(p, max_new_tokens=20).token_ids for p in prompts]
+    outs = gen.generate(prompts, max_new_tokens=20)
+    assert [o.token_ids for o in outs] == alone and len({tuple(a) for a in alone}) == 3
+    assert all(o.stats["batch"] == 3 and o.stats["batch_tokens_per_s"] > o.tokens_per_s for o in outs)
+    # a speculative method's batch is the target's own steps: the same answers, no verify steps
+    drafted = gen.generate(prompts, max_new_tokens=20, method="s3d", tree="tree-8")
+    assert [o.token_ids for o in drafted] == alone and all(o.method == "ar" and o.tau is None for o in drafted)
+    with pytest.raises(s3djax.UserError):
+        gen.generate(prompts, max_new_tokens=20, method="s3d", tree="bush")
+    for name, text in (("lines.txt", "\n".join(prompts) + "\n\n"),
+                       ("prompts.jsonl", "\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(prompts)))):
+        (tmp_path / name).write_text(text)
+        cli.run(lambda: generate.main(["--batch-file", str(tmp_path / name), "--max-new-tokens", "20",
+                                       "--max-cache-len", "128", "--json"]))
+        printed, err = capsys.readouterr()
+        records = [json.loads(line) for line in printed.strip().splitlines()]
+        assert [r["text"] for r in records] == [o.text for o in outs] and [r["index"] for r in records] == [0, 1, 2]
+        assert "3 prompts" in err and "one batch" in err
+
+
+@pytest.mark.parametrize("text, message", [("", "has no prompts"), ('{"prompt": 3}\n', 'a "prompt" string'),
+                                           ('{"prompt": "a"}\n{oops\n', "line 2: not JSON")])
+def test_a_bad_batch_file_is_one_line_and_exit_2(tmp_path, capsys, text, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        cli.run(lambda: generate.main(["--batch-file", str(path)]))
+    err = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and message in err and len(err.splitlines()) == 1
