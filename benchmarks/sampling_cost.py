@@ -26,13 +26,15 @@ def main():
     from s3djax.loading import load_model
     from s3djax.model import Decoder, forward_sequence
     from s3djax.sampling import Sampling, draw, process_logits, process_logits_reference
-    from s3djax.speculative.profile import step_times
+    from s3djax.speculative.profile import ms_per_step, step_functions
     from s3djax.tokenizer import encode_prompt
 
     m = load_model("smollm2-135m", progress=False)
     built = methods.build("ar", m, max_cache_len=512)
     state = Runner(built.decoder, built.params).prefill(encode_prompt(m.tokenizer, "Why is the sky blue?", True))
-    ar_ms = step_times(built.decoder, built.params, state)["ar_step_ms"]
+    step = step_functions(built.decoder)["ar_step_ms"]
+    ar_ms = ms_per_step(lambda p, c: step(p, c, state["length"], state["last"]), built.params, (state["cache"], ()),
+                        repeats=10)[0]
     key = jax.random.key(0)
     # SmolLM2's own logits after the last five positions of a prompt: a nucleus's width depends on them.
     ids = encode_prompt(m.tokenizer, "Write a short story about a lighthouse keeper.", True)

@@ -59,7 +59,8 @@ def process_logits(logits, s: Sampling):
     cut_k = 0 < s.top_k < v  # a top-k as wide as the logits cuts nothing
     if not cut_k and s.top_p == 1.0:
         return logits
-    largest = top_k(logits, min(v, max(CANDIDATES, s.top_k)))[0]  # descending
+    # Top-k alone needs only its own k; top-p searches the candidates.
+    largest = top_k(logits, min(v, s.top_k if s.top_p == 1.0 else max(CANDIDATES, s.top_k)))[0]  # descending
     if cut_k:
         kth = largest[..., s.top_k - 1:s.top_k]
         logits, largest = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, largest))
@@ -88,11 +89,12 @@ def process_logits(logits, s: Sampling):
 
 
 def process_logits_reference(logits, s: Sampling):
-    """`process_logits` by its definition: top-k by `lax.top_k`, top-p by a full descending sort of the vocabulary
-    (which `process_logits` falls back to). Tests and benchmarks.sampling_cost compare the two."""
+    """`process_logits` by its definition, as it was computed before the candidates: top-k by `top_k`, top-p by a
+    full descending sort of the vocabulary (which `process_logits` falls back to). Tests and
+    benchmarks.sampling_cost compare the two."""
     logits = logits.astype(jnp.float32) / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, s.top_k)[0][..., -1:]
+        kth = top_k(logits, s.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if s.top_p < 1.0:
         order = jnp.sort(logits, axis=-1)[..., ::-1]

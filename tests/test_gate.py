@@ -19,7 +19,7 @@ from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDra
 from s3djax.speculative.loop import PROBE_EVERY, SpecDecoder
 from tests.tiny import LLAMA, random_params
 
-CACHE = 96
+CACHE = 256  # room for the measurement's stretches
 PLAN = SkipPlan.parse("1-2", LLAMA.num_layers)
 
 
@@ -62,7 +62,7 @@ def test_drafters_that_cannot_pause_draft_every_step():
 @pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv(gate.ENV, "")
+    monkeypatch.setenv(gate.ENV, "on")
     return tmp_path / "s3djax" / "step-costs.json"
 
 
@@ -107,9 +107,10 @@ def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line(cache_home, measured,
 
 def test_the_switch_turns_the_gate_off_or_measures_again(cache_home, measured, monkeypatch):
     params = random_params(LLAMA, 0)
-    monkeypatch.setenv(gate.ENV, "off")
-    spec = runner(drafters()["s3d"], params)
-    assert gate.tune(spec, lambda: [1, 2, 3], "s3d") is None and not spec.overrides and not cache_home.exists()
+    for off in ("off", ""):  # unset, it is off: docs/sampling.md
+        monkeypatch.setenv(gate.ENV, off)
+        spec = runner(drafters()["s3d"], params)
+        assert gate.tune(spec, lambda: [1, 2, 3], "s3d") is None and not spec.overrides and not cache_home.exists()
     monkeypatch.setenv(gate.ENV, "again")
     for _ in range(2):
         gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d")

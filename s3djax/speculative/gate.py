@@ -5,7 +5,11 @@ while it commits more than draft_s / pause_s tokens a step, that is while the dr
 step reach `breakeven = draft_s / pause_s - 1`. The loop (`s3djax.speculative.loop`) compares this
 with its running acceptance. Both step times are measured once per machine, decoder and weights'
 shapes, in the decoder's own compiled loop (forcing every step to draft, then none), and cached in
-the user's cache folder; S3DJAX_TUNE=off keeps every step drafting, S3DJAX_TUNE=again measures anew.
+the user's cache folder.
+
+The gate is off unless S3DJAX_TUNE=on (S3DJAX_TUNE=again measures anew): on the 2-core Zen 4 it
+lost 0.13-0.19x `ar` on HumanEval, where acceptance comes in long runs that a paused stretch misses,
+and gained at most 0.10x elsewhere (docs/sampling.md#pausing-when-drafts-stop-paying).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import numpy as np
 from s3djax import device
 
 ENV = "S3DJAX_TUNE"
+DEFAULT = "off"  # measured, as the docstring says
 PROMPT = "Summarize the plot of a famous novel in a few sentences, then say why it is still read today."
-# Tokens decoded in each timed stretch: a warm-up, then drafting and pausing twice each, interleaved, the faster
-# of each pair kept (another process taking the cores makes a stretch slower, never faster).
-STRETCHES = (("draft", 4), ("draft", 24), ("pause", 12), ("draft", 24), ("pause", 12))
+# Tokens decoded in each timed stretch: a warm-up, then drafting and pausing three times each, interleaved, the
+# fastest of each kept: another process taking the cores makes a stretch slower, never faster, and shorter
+# stretches proved too noisy on a shared machine (docs/sampling.md).
+STRETCHES = (("draft", 4),) + (("draft", 32), ("pause", 16)) * 3
 
 
 def cache_path() -> str:
@@ -73,8 +79,8 @@ def write(table: dict) -> None:
 
 
 def measure(runner, prompt_ids: list[int]) -> dict | None:
-    """Seconds per drafting step and per paused step, in the runner's compiled loop on `prompt_ids`' cache; None
-    where the cache is too short to time them."""
+    """Seconds per drafting step and per paused step, in the runner's compiled loop on `prompt_ids`' cache, from the
+    stretches the cache has room for; None where it has none for either."""
     d, params = runner.decoder, runner.params
     args = runner._prompt_args(prompt_ids, 0)
     state = runner._compiled("start", d.start, *args)[0](params, *args)
@@ -90,25 +96,26 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
         state = decode(params, state, jnp.int32(int(state["step"]) + tokens))
         steps = int(state[counter]) - before  # a sync: the stretch has run
         seconds = time.perf_counter() - t
-        if steps == 0:
-            return None
+        if steps == 0:  # the cache is full
+            break
         if i:  # the first stretch only warms up
             best[mode] = min(best.get(mode, math.inf), seconds / steps)
+    if len(best) < 2:
+        return None
     return {"draft_s": best["draft"], "pause_s": best["pause"], "breakeven": best["draft"] / best["pause"] - 1}
 
 
 def tune(runner, prompt_ids, name: str) -> float | None:
     """Set the runner's breakeven from the cache, else measure it (saying so in one line); None where the decoder
-    has no gate, S3DJAX_TUNE=off, or the cache is too short to measure. `prompt_ids()` gives the prompt to
-    measure on."""
+    has no gate, the gate is off (S3DJAX_TUNE unset or off), or the cache is too short to measure. `prompt_ids()`
+    gives the prompt to measure on."""
     drafter = getattr(runner.decoder, "drafter", None)
-    mode = os.environ.get(ENV, "").lower()
-    if drafter is None or drafter.pause is None or mode == "off":
+    mode = (os.environ.get(ENV) or DEFAULT).lower()
+    if drafter is None or drafter.pause is None or mode not in ("on", "again"):
         return None
     k, table = key(runner.decoder, runner.params), read()
     if k not in table or mode == "again":
-        print(f"measuring when {name}'s drafts pay on this machine (once; {ENV}=off skips it)...", file=sys.stderr,
-              flush=True)
+        print(f"measuring when {name}'s drafts pay on this machine (once)...", file=sys.stderr, flush=True)
         found = measure(runner, prompt_ids())
         if found is None:
             return None
