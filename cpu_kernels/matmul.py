@@ -1,5 +1,5 @@
 """The CPU decode matmul: x [M, K] times a float32, bfloat16 or int8 weight, reading the weight once for
-all M rows (`ffi_matmul.cc`), beside its jnp reference.
+all M rows (`ffi.cc`, the kernels in `kernels.inc`), beside its jnp reference.
 
 Decode-shaped products (M from 1 to a few dozen rows) are bound by reading the weight, so M rows should
 cost about what one does; XLA:CPU runs M > 1 through GEMM paths that cost 2x or more. Each output
@@ -120,6 +120,8 @@ def _call(x, w, scale, layout: str):
 def matmul(x, w, scale=None, layout: str = "kn"):
     """`reference`'s product through the kernel (the CPU only: register it first, see `usable`).
     Differentiable: the derivative is the reference's, through XLA."""
+    if unavailable():
+        raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
     if w.dtype not in WEIGHT_DTYPES or w.ndim != 2 or x.shape[-1] != w.shape[layout == "nk"] or (
             layout == "panels" and w.shape[1] % panel()):
         raise ValueError(f"the CPU matmul takes x [..., K] and a float32, bfloat16 or int8 weight in layout "

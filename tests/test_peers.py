@@ -78,9 +78,18 @@ def test_every_peer_decodes_our_greedy_tokens(smollm2, hf, ours, prompt):
         assert want[-1] == 2 and len(want) < n  # stopped at EOS, as ours does
 
 
-def test_exit_layer_tuning_picks_a_candidate_and_bad_settings_are_user_errors(smollm2, hf):
+def test_exit_layer_tuning_picks_the_fastest_and_bad_settings_are_user_errors(smollm2, hf, monkeypatch):
     ids = encode_prompt(smollm2.tokenizer, PROMPTS["sky"][0], chat_template=True)
-    assert peers.tune_exit_layer(hf, [ids], [6, 20], max_new_tokens=4) in (6, 20)
+    real = peers.peer
+
+    def slowed(name, model, exit_layer=None, **kw):  # the candidate named slow takes a second longer, however fast
+        run = real(name, model, exit_layer=exit_layer, **kw)
+        return lambda p, n: (lambda r: {**r, "total_s": r["total_s"] + (1.0 if exit_layer == slow else 0.0)})(run(p, n))
+
+    monkeypatch.setattr(peers, "peer", slowed)
+    for slow, fastest in ((6, 20), (20, 6)):
+        assert peers.tune_exit_layer(hf, [ids], [6, 20], max_new_tokens=4) == fastest
+    monkeypatch.undo()
     with pytest.raises(UserError, match="early-exit layer must be in 1..29"):
         peers.peer("hf-early-exit", hf, exit_layer=30)
     with pytest.raises(UserError, match="unknown peer 'vllm'"):
