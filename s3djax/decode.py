@@ -196,11 +196,10 @@ class Runner:
         d = self.decoder
         budgets = [min(max_new_tokens, d.max_cache_len - len(ids)) for ids in prompts]
         args = [self._prompt_args(ids, seed + i) for i, ids in enumerate(prompts)]
-        compile_s = 0.0
-        for a in args:  # one executable per prompt bucket, compiled before the clock starts
-            compile_s += self._compiled("start", d.start, *a)[1]
+        starts = [self._compiled("start", d.start, *a) for a in args]  # one per prompt bucket, before the clock
+        compile_s = sum(c for _, c in starts)
         t = time.perf_counter()
-        state = stack_rows([self._compiled("start", d.start, *a)[0](self.params, *a) for a in args])
+        state = stack_rows([start(self.params, *a) for (start, _), a in zip(starts, args)])
         state = {**state, **{k: jnp.asarray(v) for k, v in self.overrides.items()}}  # fresh: the loop donates them
         eos = set(getattr(d, "ar", d).eos_ids)
 

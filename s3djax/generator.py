@@ -228,14 +228,10 @@ class Generator:
             return [self.generate(prompt[0], max_new_tokens, method=method, seed=seed, chat_template=chat_template,
                                   **sampling, **options)]
         self.check(method=method, **sampling, **options)  # the method's options are still the user's to get right
-        method = method or self.method
-        session = (self.session("ar", **sampling, **options) if method == "ar" else
-                   self.session("ar", **sampling, defaults=False))  # the target alone: no draft's skip plan
-        if max_new_tokens < 1:
-            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        rows = [encode_prompt(self.tokenizer, p, chat_template) for p in prompt]
-        for ids in rows:
-            session.built.decoder.check_prompt(len(ids))
+        plain = (method or self.method) != "ar"  # then the target alone: no draft's skip plan
+        starts = [self._start(p, max_new_tokens, "ar", chat_template, sampling, {} if plain else options,
+                              defaults=not plain) for p in prompt]
+        session, rows = starts[0][0], [ids for _, ids in starts]
         results = session.runner.generate_batch(rows, max_new_tokens, seed=seed)
         total = sum(max(len(r.tokens) - 1, 0) for r in results) / results[0].decode_s if results[0].decode_s else 0.0
         for r in results:
@@ -251,10 +247,10 @@ class Generator:
                                    dict(temperature=temperature, top_k=top_k, top_p=top_p), options)
         return Stream(self, session, ids, session.runner.iterate(ids, max_new_tokens, seed, chunk))
 
-    def _start(self, prompt, max_new_tokens, method, chat_template, sampling, options):
+    def _start(self, prompt, max_new_tokens, method, chat_template, sampling, options, defaults: bool = True):
         if max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        session = self.session(method, **sampling, **options)
+        session = self.session(method, **sampling, defaults=defaults, **options)
         ids = encode_prompt(self.tokenizer, prompt, chat_template)
         session.built.decoder.check_prompt(len(ids))
         return session, ids
