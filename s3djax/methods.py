@@ -142,6 +142,8 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
     built = builders[method](m, ar, opts, dtype)
     if m.config.cpu_kernel:
         built.params = quant.pack_for_cpu(built.params)
+    if jax.default_backend() == "gpu":
+        built.params = quant.lay_out_for_gpu(built.params)
     return built
 
 

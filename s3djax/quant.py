@@ -86,6 +86,30 @@ class Packed:
         return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Transposed:
+    """A float linear [in, out] held as its transpose [out, in], for a GPU (`lay_out_for_gpu`).
+
+    A one-row product over [in, out] is a column reduction, which XLA's GPU compiler writes out as a
+    product buffer three times the weight's size plus a second kernel; over [out, in] it is one row
+    reduction reading the weight once (docs/gpu-compile.md). `values` keeps the source's shape, which the
+    model's modules check; only the order of its elements changes.
+    """
+    values: jax.Array
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    def nk(self):
+        """The [out, in] matrix (a free reshape)."""
+        return self.values.reshape(self.values.shape[::-1])
+
+    def unpacked(self):
+        return self.nk().T
+
+
 def quantize(w, channel_axis: int) -> Int8Weight:
     """Round to the nearest of 255 levels symmetric about zero, per channel (an all-zero channel gets scale 1).
 
@@ -105,7 +129,7 @@ def _quantize(w, channel_axis: int):
 
 
 def dequantize(w):
-    if isinstance(w, Packed):
+    if isinstance(w, (Packed, Transposed)):
         return dequantize(w.unpacked())
     if not isinstance(w, Int8Weight):
         return w
@@ -146,7 +170,7 @@ def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
 
     def convert(path, w):
         name = path[-1].key
-        if isinstance(w, Packed):
+        if isinstance(w, (Packed, Transposed)):
             return w
         if name in LINEARS:
             return linear(w, mode, dtype, kernel)
@@ -161,7 +185,7 @@ def is_int8(x) -> bool:
 
 def is_weight(x) -> bool:
     """A weight node that tree maps must treat whole: an int8 or a packed weight."""
-    return isinstance(x, (Int8Weight, Packed))
+    return isinstance(x, (Int8Weight, Packed, Transposed))
 
 
 def dequantize_tree(tree):
@@ -218,6 +242,8 @@ def _kernel_dot(h, w):
 
 
 def _xla_dot(h, w):
+    if isinstance(w, Transposed):
+        return jnp.einsum("...k,nk->...n", h, w.nk())
     if isinstance(w, Packed):
         w = w.unpacked()
     if not isinstance(w, Int8Weight):
@@ -329,6 +355,28 @@ def pack_for_cpu(params):
 
 
 _PACKED: dict[int, tuple] = {}
+
+
+def lay_out_for_gpu(params):
+    """`params` with its float linears as `Transposed` (made once; tables are [V, D] already), for the GPU
+    backend whatever the process's default (`benchmarks.h100_compile` compiles for one on a CPU). A weight met
+    twice (a draft sharing the target's layers) is transposed once."""
+    done = {}
+
+    def convert(path, w):
+        name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
+        if name not in LINEARS or is_weight(w) or getattr(w, "ndim", 0) != 2:
+            return w
+        if id(w) not in done:
+            done[id(w)] = (w, Transposed(_transposed(w)))
+        return done[id(w)][1]
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
+
+
+@jax.jit
+def _transposed(w):
+    return w.T.reshape(w.shape)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))

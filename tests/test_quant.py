@@ -118,3 +118,24 @@ def test_a_foreign_quantized_checkpoint_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(UserError, match="quantized with 'gptq'"):
         weights.open_hf_folder(str(tmp_path))
+
+
+@pytest.mark.parametrize("config", [LLAMA, PHI3], ids=["llama", "phi3"])
+def test_the_gpu_layout_holds_the_same_model(config):
+    # [out, in] linears (what methods.build lays out on a GPU) read as the [in, out] ones: same logits, same greedy
+    # decode; int8 weights and the [V, D] tables are left as they are, and a weight met twice is transposed once.
+    config = config.replace(cpu_kernel=False)
+    params = random_params(config, 4)
+    name = "qkv" if config.arch == "phi3" else "q"
+    laid = quant.lay_out_for_gpu({**params, "again": {name: params["layers_0"]["attn"][name]}})
+    again = laid.pop("again")[name]
+    first = laid["layers_0"]["attn"][name]
+    assert isinstance(first, quant.Transposed) and first.shape == params["layers_0"]["attn"][name].shape
+    assert again is first and not isinstance(laid["embed"], quant.Transposed)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    np.testing.assert_allclose(_forward_logits(laid, config, tokens), _forward_logits(params, config, tokens), rtol=1e-5, atol=1e-5)
+    decoder = ARDecoder(config, 32, eos_ids=())
+    prompt = [5, 9, 2, 7, 11]
+    assert Runner(decoder, laid).generate(prompt, 12).tokens == Runner(decoder, params).generate(prompt, 12).tokens
+    int8 = quant.apply(params, "int8", jnp.float32)
+    assert quant.lay_out_for_gpu(int8)["layers_0"]["mlp"] == int8["layers_0"]["mlp"]
