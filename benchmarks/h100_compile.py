@@ -114,6 +114,10 @@ CI_CASES = (
     "step/smollm2-135m/bf16-pallas/ar/prefill", "step/llama-2-7b/int8-pallas/s3d-g4/loop",
     "step/llama-2-7b/bf16-pallas/s3d-tree64/verify",
 )
+# SmolLM2's AR decode loop at the GPU's defaults (Pallas attention, [out, in] linears, whole-loop CUDA graphs): CI
+# fails above this many kernel launches a step, or with any launch outside the graph. Issue 70's goal is 300; this
+# is where the loop stands (docs/gpu-compile.md), so that it can only go down.
+LAUNCH_BUDGET_CASE, LAUNCH_BUDGET = "step/smollm2-135m/bf16-pallas/ar/loop", 530
 # A kernel setting that cannot fit: 2048-key blocks of 128-wide bf16 keys and values in fp32 need far more
 # than the 227 KiB of shared memory a block can have. CI keeps a test that this fails to compile.
 BROKEN_CASE = "kernel/tree-attention/llama-2-7b/T65/S8192/block_k=2048"
@@ -149,7 +153,7 @@ def abstract_build(name: str, method: str, quantization: str | None, tree: str |
                               # a GPU's defaults, which the CPU backend compiling here does not pick
                               **{"gamma": methods.PAPER_GAMMA, "tree": tree, "lookup": 0, **options})
         decoders.append(built.decoder)
-        return built.params
+        return quant.lay_out_for_gpu(built.params)  # as methods.build lays weights out on a GPU
 
     params = jax.eval_shape(build, abstract_params(config, jnp.bfloat16))
     return decoders[0], params
@@ -271,6 +275,32 @@ def kernels_from_dump(dump: str) -> list[dict]:
     return sorted(out.values(), key=lambda k: -k["shared_bytes"])
 
 
+def graph_stats(dump: str) -> dict:
+    """From the launch sequence after XLA's thunk passes: kernels launched outside any command buffer (CUDA graph),
+    and while loops outside one, each of which copies its predicate to the host every iteration."""
+    paths = glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt")) or \
+        glob.glob(os.path.join(dump, "*thunk_sequence.txt"))
+    outside = host_loops = 0
+    for path in paths:
+        stack = []  # (indent, kind) of the enclosing thunks
+        with open(path) as f:
+            for line in f:
+                m = THUNK_LINE.match(line)
+                if not m:
+                    continue
+                indent, kind = len(m.group(1)), m.group(2)
+                while stack and stack[-1][0] >= indent:
+                    stack.pop()
+                graphed = any(k == "kCommandBuffer" for _, k in stack)
+                outside += kind in ("kCustomKernel", "kKernel", "kGemm", "kCustomCall") and not graphed
+                host_loops += kind == "kWhile" and not graphed
+                stack.append((indent, kind))
+    return {"launches_outside_graphs": outside, "host_loops": host_loops}
+
+
+THUNK_LINE = re.compile(r"^(\s*)\d+: (k\w+)")
+
+
 def summarize_kernels(kernels: list[dict]) -> dict:
     """The launches and the most shared memory of all kernels; the Pallas kernels' own records."""
     return {"launches": sum(k["launches"] for k in kernels), "max_shared_bytes": max((k["shared_bytes"] for k in kernels), default=0),
@@ -303,22 +333,23 @@ def compile_case(case: str, with_cost: bool = False) -> dict:
     """Compiles one case for the H100 and returns its record (raises what the compiler raises)."""
     import jax
 
-    from s3djax import quant
+    from s3djax import compile_options
 
     fn, args, donate = case_function(case)
     sharding, kind = target_sharding()
-    options = quant.compiler_options(args)  # as the Runner compiles the same step
+    options = compile_options.for_step(args)  # as the Runner compiles the same step
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         lowered = jax.jit(fn, donate_argnums=donate).trace(*on(sharding, args)).lower()
         compiled = lowered.compile({"xla_dump_to": dump, **options})  # the launch sequence and the PTX, read below
         seconds = time.perf_counter() - start
         kernels = kernels_from_dump(dump)
+        graphs = graph_stats(dump)
     m = compiled.memory_analysis()
     memory = {k: getattr(m, f"{k}_size_in_bytes") for k in ("argument", "output", "alias", "temp", "generated_code")}
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     record = {"case": case, "ok": True, "seconds": round(seconds, 2), "target": kind, "memory": memory,
-              **({"compiler_options": options} if options else {}), **summarize_kernels(kernels)}
+              **({"compiler_options": options} if options else {}), **summarize_kernels(kernels), **graphs}
     if with_cost:
         try:
             text = compiled.as_text()
@@ -342,11 +373,11 @@ def compile_python() -> str:
     return python
 
 
-def run_case(case: str, with_cost: bool = False, timeout_s: float = CASE_TIMEOUT_S) -> dict:
-    """Compiles `case` in a process of its own; a failure, a crash or a timeout comes back as a record
-    with ok False and the error."""
+def run_case(case: str, with_cost: bool = False, timeout_s: float = CASE_TIMEOUT_S, env: dict | None = None) -> dict:
+    """Compiles `case` in a process of its own (`env`: more variables for it); a failure, a crash or a timeout
+    comes back as a record with ok False and the error."""
     python = compile_python()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT, **(env or {}))
     if python != sys.executable or "JAX_PLATFORMS" in os.environ:
         env["JAX_PLATFORMS"] = "cpu"  # no GPU here: keeps the plugin from looking for a driver
     argv = [python, "-m", "benchmarks.h100_compile", "--case", case] + (["--cost"] if with_cost else [])
@@ -502,8 +533,9 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
               f"bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s and flops / {PEAK_FLOPS / 1e12:.0f} TFLOP/s (bf16 dense); "
               "**a projection, not a measurement**.", "",
               "| model | variant | method | step | compile s | argument GiB | output GiB | alias GiB | temp MiB | peak GiB | "
-              "kernel launches | max shared KiB | GFLOP | GB accessed | projected ms (bytes / flops) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "kernel launches | outside graphs | host loops | max shared KiB | GFLOP | GB accessed | "
+              "projected ms (bytes / flops) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (model, variant, method, step), r in steps.items():
         m = r["memory"]
         proj = "-"
@@ -512,7 +544,7 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
             proj = f"{max(b, f):.3f} ({b:.3f} / {f:.3f})"
         lines.append(f"| {model} | {variant} | {method} | {step} | {r['seconds']} | {gib(m['argument'])} | {gib(m['output'])} | "
                      f"{gib(m['alias'])} | {mib(m['temp'])} | {gib(m['peak'])} | {r['launches']} | "
-                     f"{r['max_shared_bytes'] / 1024:.0f} | "
+                     f"{r.get('launches_outside_graphs', '-')} | {r.get('host_loops', '-')} | {r['max_shared_bytes'] / 1024:.0f} | "
                      f"{r.get('flops', 0) / 1e9:.2f} | {r.get('bytes_accessed', 0) / 1e9:.3f} | {proj} |")
     lines += ["", "## Projected speed of each method on an H100", "",
               f"PROJECTION: tokens/s = tau / (draft ms + verify ms) with the roofline step times above and tau measured "

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import cache as kv
-from s3djax import quant
+from s3djax import compile_options
 from s3djax.config import ModelConfig
 from s3djax.errors import UserError
 from s3djax.model import Decoder
@@ -133,14 +133,14 @@ class Runner:
         self.overrides: dict = {}  # start-state entries set after the prefill (the pause gate's measured breakeven)
 
     def _compiled(self, name: str, fn, *args):
-        key = (self.decoder, name, signature((self.params, *args)))
+        options = compile_options.for_step(self.params)
+        key = (self.decoder, name, signature((self.params, *args)), tuple(sorted(options.items())))
         if key in _EXECUTABLES:
             _EXECUTABLES.move_to_end(key)
             return _EXECUTABLES[key], 0.0
         t = time.perf_counter()
         donate = (1,) if name == "decode" else ()  # the state, cache included, is updated in place
-        _EXECUTABLES[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(
-            quant.compiler_options(self.params))
+        _EXECUTABLES[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(options)
         if len(_EXECUTABLES) > MAX_EXECUTABLES:
             _EXECUTABLES.popitem(last=False)
         return _EXECUTABLES[key], time.perf_counter() - t

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from benchmarks import h100_compile
+from s3djax import compile_options
 from s3djax.errors import UserError
 
 
@@ -35,6 +36,17 @@ def test_compiles_for_the_h100(compiler, case):
     if pallas:  # (a prefill's dense mask stays on XLA's attention) the Pallas kernel went through Triton and ptxas for sm_90a, within the H100's limits (spills
         k = kernels[pallas]  # are allowed: the report lists them)
         assert 0 < k["registers"] <= 255 and 0 < k["shared_bytes"] <= 232448
+
+
+def test_the_smollm2_decode_loop_runs_as_one_graph_within_its_launch_budget(compiler):
+    r = h100_compile.run_case(h100_compile.LAUNCH_BUDGET_CASE)
+    assert r["ok"], r.get("error")
+    # every kernel inside the one CUDA graph: no launch from the host, no predicate copied to it a step
+    assert r["launches_outside_graphs"] == 0 and r["host_loops"] == 0, r
+    assert r["launches"] <= h100_compile.LAUNCH_BUDGET, r["launches"]
+    # and with XLA's own list of graph commands, the loop is left to the host (what the option is for)
+    plain = h100_compile.run_case(h100_compile.LAUNCH_BUDGET_CASE, env={compile_options.ENV: compile_options.XLA_DEFAULT})
+    assert plain["host_loops"] == 1
 
 
 def test_a_kernel_setting_that_overflows_shared_memory_fails_to_compile(compiler):

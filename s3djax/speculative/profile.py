@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from s3djax import cache as kv
-from s3djax import quant
+from s3djax import compile_options
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
 from s3djax.speculative.verify import verify
@@ -31,7 +31,7 @@ def ms_per_step(step, params, cache, repeats: int):
             return cache, acc + tokens.sum()
         return jax.lax.fori_loop(0, repeats, body, (cache, jnp.int32(0)))
 
-    run = jax.jit(run, donate_argnums=1, compiler_options=quant.compiler_options(params))  # as the Runner compiles
+    run = jax.jit(run, donate_argnums=1, compiler_options=compile_options.for_step(params))  # as the Runner compiles
     cache, acc = run(params, cache)
     jax.block_until_ready(acc)
     samples = []
