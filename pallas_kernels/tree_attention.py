@@ -10,8 +10,9 @@ the prefix blocks with an online softmax, and writes an unnormalised partial (ac
 Split 0 also takes the T new keys under the tree mask. `combine` merges the splits.
 
 Triton wants every array a power of two, so query rows, new keys and the head dim are padded to
-one (Phi-3's 96 to 128). The cache is never copied for it: its blocks overhang the real head dim
-and the kernel masks the loads of the columns past it, which, zero, add nothing to q.k or p@v.
+one (Phi-3's 96 to 128). Neither the cache nor the new keys are copied for it: their blocks overhang
+the real head dim (and the new keys' block the real T), and the kernel masks the loads past them, which,
+zero, add nothing to q.k or p@v. Only the queries are padded, in the fusion that groups their rows.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def reference(q, k_cache, v_cache, lengths, k_new, v_new, tree):
 
 
 def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m_ref, l_ref, *,
-            block_k: int, blocks_per_split: int, head_dim: int, scale: float):
+            block_k: int, blocks_per_split: int, head_dim: int, new_tokens: int, scale: float):
     b, split = pl.program_id(0), pl.program_id(2)
     length = lengths_ref[b]
     s_len = k_ref.shape[0]
@@ -79,7 +80,10 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m
     carry = jax.lax.fori_loop(first, jnp.maximum(first, last), prefix_block, carry)
     # The new keys belong to split 0 alone; the other splits add nothing for them.
     own = tree_ref[...] & (split == 0)
-    acc, m, l = attend(carry, kn_ref[...], vn_ref[...], own)
+    t_p = kn_ref.shape[0]
+    new = columns if new_tokens == t_p else (jax.lax.broadcasted_iota(jnp.int32, (t_p, 1), 0) < new_tokens) & (
+        True if columns is None else columns)
+    acc, m, l = attend(carry, common.masked_load(kn_ref, new), common.masked_load(vn_ref, new), own)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -115,12 +119,11 @@ def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k:
     block_k, splits = block_k or auto_block, splits or auto_splits
     blocks_per_split = pl.cdiv(pl.cdiv(s, block_k), splits)
     # Rows are (group member, token), the same folding as s3djax.layers.attend. Rows, new keys and
-    # the head dim are padded to powers of two of at least 16, as Triton's dot needs; padded keys
-    # are masked out, padded rows and columns dropped.
+    # the head dim take powers of two of at least 16, as Triton's dot needs: the query rows padded, the
+    # new keys' and the head dim's blocks overhanging; padded keys are masked out, rows and columns dropped.
     rows_p, t_p, d_p = _padded(rows), _padded(t), _padded(d)
     qr = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - rows), (0, d_p - d)))
-    kn, vn = (jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, t_p - t), (0, d_p - d))) for x in (k_new, v_new))
     tree_rows = jnp.pad(jnp.tile(tree, (1, g, 1)), ((0, 0), (0, rows_p - rows), (0, t_p - t)))  # [B, R, T]
     rows, t = rows_p, t_p
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d_p), jnp.float32),
@@ -134,21 +137,22 @@ def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k:
         # A head dim that is no power of two is overhung, and the kernel masks the columns past it.
         pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
         pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
-        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, 0, 0)),
-        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, 0, 0)),
+        # The new keys too ([B, T, K, D], one KV head's [T, D]), their block overhanging T as well.
+        pl.BlockSpec((sq, t, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
+        pl.BlockSpec((sq, t, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
         pl.BlockSpec((sq, rows, t), lambda i, j, k: (i, 0, 0)),
     ]
     out_specs = [pl.BlockSpec((sq, sq, sq, rows, d_p), lambda i, j, k: (i, j, k, 0, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0))]
-    args = [lengths.astype(jnp.int32), qr, k_cache, v_cache, kn, vn, tree_rows]
+    args = [lengths.astype(jnp.int32), qr, k_cache, v_cache, k_new, v_new, tree_rows]
     aliases = {}
     if poison:
         args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
         in_specs += out_specs
         aliases = {len(args) - 3 + i: i for i in range(3)}
     kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=blocks_per_split, head_dim=d,
-                               scale=d ** -0.5)
+                               new_tokens=q.shape[1], scale=d ** -0.5)
     if poison:
         kernel = functools.partial(_drop_aliased_inputs, kernel)
     acc, m, l = common.pallas_call(kernel, backend, num_warps=4, num_stages=2, out_shape=out_shape,

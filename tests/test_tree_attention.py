@@ -88,15 +88,15 @@ class TestTreeAttention:
 
 
 @pytest.mark.parametrize("d", [64, 96])
-def test_the_cache_reaches_the_kernel_as_is(d):
-    # Traced for the GPU path (nothing is lowered): a head dim that is no power of two pads the
-    # queries and new keys, never the cache, which the kernel reads in place.
+def test_the_cache_and_new_keys_reach_the_kernel_as_is(d):
+    # Traced for the GPU path (nothing is lowered): a head dim or a T that is no power of two pads the
+    # queries alone; the kernel reads the cache and the new keys in place (a pad is a kernel launch).
     q, cache, new = (jax.ShapeDtypeStruct((1, t, heads, d), jnp.bfloat16) for t, heads in ((5, 9), (516, 3), (5, 3)))
     trace = jax.make_jaxpr(lambda *a: tree_attention(*a, backend="triton"))
     lengths, tree = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 5, 5), jnp.bool_)
     inner = trace(q, cache, cache, lengths, new, new, tree).jaxpr.eqns[0].params["jaxpr"]                # the jit
     [call] = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
-    assert call.invars[2:4] == inner.invars[1:3]
+    assert call.invars[2:6] == inner.invars[1:3] + inner.invars[4:6]
 
 
 def test_block_choice_fits_the_buffer():
