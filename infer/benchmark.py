@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from s3djax.cli import Parser, run, sampling
+from s3djax.config import default_attention
 from s3djax.methods import METHODS, default_gamma
 
 DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup,hf-ar,hf-early-exit,hf-prompt-lookup"
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--quant", choices=("none", "int8", "int8-all"))
     p.add_argument("--matmul", choices=("xla", "pallas"), default="xla")
-    p.add_argument("--attention", choices=("xla", "pallas"), default="xla")
+    p.add_argument("--attention", choices=("xla", "pallas"), help="default: pallas on a GPU, xla elsewhere")
     p.add_method_options(several=True)
     p.add_sampling()
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together: ar runs them as one batch (each "
@@ -59,6 +60,7 @@ def parse_args(argv=None):
     limits = parse_limits(args.limit, args.dataset)
     p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2, batch=args.batch >= 1)
     args.limit = limits
+    args.attention = args.attention or default_attention()  # the report names what ran
     return args
 
 

@@ -33,8 +33,9 @@ def parse_args(argv=None):
                    "(int8-all), quantized on load; default: as the checkpoint stores them")
     p.add_argument("--matmul", choices=("xla", "pallas"), default="xla",
                    help="int8 matmul: XLA's fused convert, or the Pallas kernel (interpret mode on CPU: slow)")
-    p.add_argument("--attention", choices=("xla", "pallas"), default="xla",
-                   help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: slow)")
+    p.add_argument("--attention", choices=("xla", "pallas"),
+                   help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: "
+                   "slow); default: pallas on a GPU, xla elsewhere")
     p.add_method_options()
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_sampling()

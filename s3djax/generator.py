@@ -16,6 +16,7 @@ from typing import Iterator
 
 from s3djax import device, methods, quant
 from s3djax.built import Built
+from s3djax.config import ATTENTION_IMPLS, default_attention
 from s3djax.decode import Result, Runner
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel, ModelSource, open_model
@@ -124,13 +125,14 @@ class Generator:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, method: str = "ar", dtype: str = "float32",
-                 max_cache_len: int = 2048, quant: str | None = None, matmul: str = "xla", attention: str = "xla",
+                 max_cache_len: int = 2048, quant: str | None = None, matmul: str = "xla", attention: str | None = None,
                  checkpoint: str | None = None, load: bool = True, progress: bool | None = None, **options):
         from s3djax.loading import check_load_options
 
         check_load_options(dtype, quant, matmul)
-        if attention not in ("xla", "pallas"):
-            raise UserError(f"unknown attention {attention!r}; choose from xla, pallas")
+        attention = attention or default_attention()
+        if attention not in ATTENTION_IMPLS:
+            raise UserError(f"unknown attention {attention!r}; choose from {', '.join(ATTENTION_IMPLS)}")
         if max_cache_len < 2:
             raise UserError(f"--max-cache-len must be at least 2, got {max_cache_len}")
         self.source = open_model(model, checkpoint)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax.numpy as jnp
 
 from s3djax import progress, quant, registry, tokenizer, weights
-from s3djax.config import ModelConfig
+from s3djax.config import ModelConfig, default_attention
 from s3djax.errors import UserError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -91,7 +91,7 @@ class ModelSource:
             self._tokenizer = tokenizer.from_gguf(self._gguf) if self._gguf else tokenizer.from_folder(self.path)
         return self._tokenizer
 
-    def load(self, *, dtype: str = "float32", attention: str = "xla", quantization: str | None = None,
+    def load(self, *, dtype: str = "float32", attention: str | None = None, quantization: str | None = None,
              matmul: str = "xla", progress: bool | None = None) -> LoadedModel:
         """The weights, read once. `quantization` (a `quant.MODES` name) converts them as they are read;
         None keeps them as stored. `matmul` picks the int8 matmul (`quant.KERNELS`)."""
@@ -101,7 +101,7 @@ class ModelSource:
         # import, which overlaps well with dequantizing weights in NumPy.
         with ThreadPoolExecutor(1) as pool:
             tok = pool.submit(lambda: self.tokenizer)
-            config = self.config.replace(attention=attention)
+            config = self.config.replace(attention=attention or default_attention())
             params = weights.from_hf_tensors(_with_progress(self._tensors, weights.num_tensors(config), self.name, progress),
                                              config, DTYPES[dtype], quantization, matmul)
             tok = tok.result()
@@ -140,7 +140,7 @@ def load_tokenizer(name_or_path: str, checkpoint: str | None = None):
 
 
 def load_model(name_or_path: str, *, dtype: str = "float32", checkpoint: str | None = None,
-               attention: str = "xla", quantization: str | None = None, matmul: str = "xla",
+               attention: str | None = None, quantization: str | None = None, matmul: str = "xla",
                progress: bool | None = None) -> LoadedModel:
     """`open_model(name_or_path, checkpoint).load(...)`; `progress`: None draws the bar only on a terminal."""
     check_load_options(dtype, quantization, matmul)
