@@ -31,7 +31,7 @@ from s3djax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup"
-VARIANTS = {"bf16-xla": [], "bf16-pallas": ["--attention", "pallas"],
+VARIANTS = {"bf16-xla": ["--attention", "xla"], "bf16-pallas": ["--attention", "pallas"],
             "int8-xla": ["--quant", "int8"], "int8-pallas": ["--quant", "int8", "--matmul", "pallas", "--attention", "pallas"]}
 # The kernel tests and lowering checks --tiny runs: one of each kind, to prove the piece, not the kernels.
 TINY_TESTS = {"lowering": "default_backend or (lower_with_triton and smollm2 and ar)",
@@ -67,6 +67,9 @@ def pieces(args, run_dir: str) -> list[Piece]:
     if args.compile_only:
         return [compile_piece]
     out.insert(0, compile_piece)
+    # Issue 70's settings at random weights: the step itself, before any benchmark over prompts.
+    out.append(Piece("steps", ("-m", "benchmarks.gpu_steps", *(("--quick", "--only", "smollm2/new,smollm2/lease1") if args.tiny else ()),
+                               "--out", at("steps")), ("gpu",)))
     out += [Piece("tree-attention", ("-m", "benchmarks.tree_attention", *quick, "--out", at("tree-attention")), ("gpu",)),
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}

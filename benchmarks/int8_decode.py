@@ -47,7 +47,7 @@ def main():
         big = big.replace(num_layers=2, hidden_size=256, intermediate_size=688, num_heads=2, num_kv_heads=2)
     regimes = {f"{small.name} (real weights)": (small.config, lambda: small.params),
                f"Llama-2-7B shape{' (1/16-width, 2-layer stand-in)' if args.quick else ''}, random weights":
-                   (big, lambda: model.init_params(big, jax.random.key(0), bf16))}
+                   (big, lambda: model.random_params(big, jax.random.key(0), bf16))}
     variants = {"bf16": None, "int8 (XLA)": ("int8", "xla"), "int8 (Pallas)": ("int8", "pallas"),
                 "int8-all (XLA)": ("int8-all", "xla")}
 

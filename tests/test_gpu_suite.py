@@ -33,7 +33,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     folder, record = the_record(out)
     assert os.path.basename(folder).startswith("gpu-suite-tiny-cpu-jax")
-    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "compile", "lowering", "kernels", "tree-attention", "int8-decode",
+    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "compile", "lowering", "kernels", "steps", "tree-attention", "int8-decode",
                                       "bench-mt-bench-bf16-xla", "projection", "bench-humaneval-int8-pallas", "train-s3d"]
     assert {p["status"] for p in record["pieces"].values()} == {"done"}
     for piece in ("lowering", "kernels"):
@@ -58,13 +58,17 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
         assert all(os.path.getsize(os.path.join(folder, name, png)) > 1000 for png in ("acceptance.png", "speed.png"))
     assert bench["quant"] == "int8" and bench["settings"]["attention"] == bench["settings"]["matmul"] == "pallas"
     assert os.path.exists(os.path.join(folder, "train-s3d", "draft.npz"))
+    with open(os.path.join(folder, "steps", "gpu_steps.jsonl")) as f:  # issue 70's settings, each timed
+        steps = [json.loads(line) for line in f]
+    assert [r["setting"] for r in steps if "setting" in r] == ["smollm2/new", "smollm2/lease1"]
+    assert all(r["ar_ms"] > 0 and len(r["tokens"]) == 8 for r in steps if "setting" in r)
     assert any(f.startswith("projection") for f in os.listdir(os.path.join(folder, "projection")))
     with tarfile.open(tar) as t:
         names = t.getnames()
     assert os.path.basename(folder) + "/summary.md" in names and not any("/checkpoints" in n for n in names)
 
     again = suite("--out", out, "--tiny")
-    assert again.returncode == 0 and "0 of 11 pieces to run" in again.stderr
+    assert again.returncode == 0 and "0 of 12 pieces to run" in again.stderr
 
 
 def test_what_is_missing_is_one_line_before_anything_runs(tmp_path):
