@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -31,8 +32,10 @@ int64_t Env(const char* name, int64_t fallback) {
 const s3d::Kernels* ChooseKernels() {
   const char* want = std::getenv("S3DJAX_CPU_ISA");  // force a narrower ISA, to measure one against the other
   __builtin_cpu_init();
-  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // Every flag each translation unit is compiled with (CMakeLists.txt), so no instruction it may hold is missing.
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (avx512 && !(want && std::strcmp(want, "avx2") == 0)) return s3d::Avx512Kernels();
   if (avx2) return s3d::Avx2Kernels();
   return nullptr;
@@ -240,6 +243,22 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 }
 
 }  // namespace
+
+namespace s3d {
+
+float* AttentionScratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+int64_t* SlotScratch(int64_t n) {
+  thread_local std::vector<int64_t> slots;
+  if (static_cast<int64_t>(slots.size()) < n) slots.resize(n);
+  return slots.data();
+}
+
+}  // namespace s3d
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dAttention, Attend,
                               ffi::Ffi::Bind()

@@ -56,4 +56,10 @@ struct Kernels {
 const Kernels* Avx2Kernels();
 const Kernels* Avx512Kernels();
 
+// This thread's scratch for the attention tiles, at least `n` elements, owned by ffi.cc (built for the baseline
+// ISA): the per-ISA translation units hold no std:: containers, whose inline code each would emit as a weak symbol
+// and the linker would keep one of, perhaps the AVX-512 one on an AVX2 CPU.
+float* AttentionScratch(int64_t n);
+int64_t* SlotScratch(int64_t n);
+
 }  // namespace s3d

@@ -115,6 +115,28 @@ def test_unavailable_kernel_falls_back_with_one_line():
     assert len(lines) == 1 and "is not built" in lines[0] and "using XLA's dot" in lines[0], done.stderr
 
 
+def test_the_per_isa_objects_share_no_code():
+    # Inline code two translation units both emit (a std:: container's, say) is a weak symbol the linker keeps one
+    # copy of: if it kept the AVX-512 one, an AVX2-only CPU would die on it. The per-ISA objects must define none.
+    objects = sorted(cm.LIBRARY.parent.glob("CMakeFiles/*/avx*.cc.o"))
+    if not objects or subprocess.run(["which", "nm"], capture_output=True).returncode:
+        pytest.skip("no object files or no nm")
+    for o in objects:
+        symbols = subprocess.run(["nm", "-C", "--defined-only", str(o)], capture_output=True, text=True).stdout
+        weak = [line for line in symbols.splitlines() if line.split(" ", 2)[1:2] in (["W"], ["V"], ["u"])]
+        assert not weak, f"{o.name} defines shared inline code: {weak[:5]}"
+
+
+def test_a_failed_build_is_one_line_and_leaves_xla(tmp_path):
+    code = ("import pathlib, sys; from cpu_kernels import build; build.BUILD = pathlib.Path(sys.argv[1]); "
+            "sys.exit(build.main())")
+    env = dict(os.environ, PATH=str(tmp_path))  # no cmake on the PATH
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "build")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 0 and len(lines) == 1 and "cmake is not installed" in lines[0], done.stderr
+
+
 def test_switch_turns_it_off_silently():
     code = "from cpu_kernels import matmul; assert not matmul.usable() and 'S3DJAX_CPU_KERNEL' in matmul.unavailable()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
