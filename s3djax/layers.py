@@ -41,12 +41,18 @@ class RMSNorm(nn.Module):
 def linear(module: nn.Module, name: str, shape: tuple[int, int], h, lora):
     """h @ W for the module's weight `name`, plus the low-rank update (h @ A) @ B where a draft adapter covers it,
     on the rows `lora["rows"]` [T] weighs by 1 where it has them (a draft's rows inside the verify pass)."""
-    kernel = module.config.cpu_kernel
-    out = quant.dot(h, module.param(name, dense_init, shape), kernel)
-    if lora and name in lora:
-        update = quant.dot(quant.dot(h, lora[name]["a"], kernel), lora[name]["b"], kernel)
-        out = out + (update * lora["rows"][:, None].astype(update.dtype) if "rows" in lora else update)
-    return out
+    out = quant.dot(h, module.param(name, dense_init, shape), module.config.cpu_kernel)
+    update = lora_update(h, lora, name, module.config.cpu_kernel)
+    return out if update is None else out + update
+
+
+def lora_update(h, lora, name: str, kernel: bool):
+    """The low-rank update (h @ A) @ B of `name`'s adapter, on `lora["rows"]`'s rows where it has them; None
+    where no adapter covers `name`."""
+    if not (lora and name in lora):
+        return None
+    update = quant.dot(quant.dot(h, lora[name]["a"], kernel), lora[name]["b"], kernel)
+    return update * lora["rows"][:, None].astype(update.dtype) if "rows" in lora else update
 
 
 def rope_tables(positions, inv_freq):
@@ -177,9 +183,12 @@ class Attention(nn.Module):
         c = self.config
         b, t, d = h.shape
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        if c.arch == "phi3":
+        if c.arch == "phi3" or self.has_variable("params", "qkv"):
             qkv = linear(self, "qkv", (d, q_size + 2 * kv_size), h, lora)
             q, k, v = qkv[..., :q_size], qkv[..., q_size:q_size + kv_size], qkv[..., q_size + kv_size:]
+            if c.arch != "phi3":  # a Llama's q, k and v joined for a GPU (quant.lay_out_for_gpu); adapters stay apart
+                q, k, v = (x if (u := lora_update(h, lora, name, c.cpu_kernel)) is None else x + u
+                           for name, x in zip(("q", "k", "v"), (q, k, v)))
         else:
             q, k, v = (linear(self, n, (d, size), h, lora) for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size)))
         q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)

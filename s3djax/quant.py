@@ -357,21 +357,47 @@ def pack_for_cpu(params):
 _PACKED: dict[int, tuple] = {}
 
 
+# A Llama layer's products that read one input, joined on a GPU as Phi-3 ships them. Not gate and up: XLA merges
+# those itself, and joined they left the MLP's norm unfused all the same (472 launches either way).
+JOINED = {"qkv": ("q", "k", "v")}
+
+
 def lay_out_for_gpu(params):
-    """`params` with its float linears as `Transposed` (made once; tables are [V, D] already), for the GPU
-    backend whatever the process's default (`benchmarks.h100_compile` compiles for one on a CPU). A weight met
-    twice (a draft sharing the target's layers) is transposed once."""
+    """`params` with its float linears as `Transposed` (tables are [V, D] already) and a Llama layer's q, k and v
+    joined (`JOINED`), for the GPU backend whatever the process's default (`benchmarks.h100_compile`
+    compiles for one on a CPU). One product then reads the attention norm's output, and XLA fuses the norm into it
+    instead of writing the normed vector for three (docs/gpu-compile.md). A weight met twice
+    (a draft sharing the target's layers) is laid out once; int8 weights are left as they are."""
     done = {}
 
-    def convert(path, w):
-        name = path[-1].key if isinstance(path[-1], jax.tree_util.DictKey) else None
-        if name not in LINEARS or is_weight(w) or getattr(w, "ndim", 0) != 2:
-            return w
-        if id(w) not in done:
-            done[id(w)] = (w, Transposed(_transposed(w)))
-        return done[id(w)][1]
+    def once(key, make):
+        if key not in done:
+            done[key] = make()
+        return done[key]
 
-    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
+    def plain(w):
+        return not is_weight(w) and getattr(w, "ndim", 0) == 2
+
+    def walk(tree):
+        if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):  # (target, draft) pairs, per-layer lists
+            return type(tree)(walk(x) for x in tree)
+        if not isinstance(tree, dict):
+            return tree
+        tree = {k: walk(v) for k, v in tree.items()}
+        for joined, parts in JOINED.items():
+            if all(plain(tree.get(n)) for n in parts):
+                ws = [tree.pop(n) for n in parts]
+                tree[joined] = once((joined, *map(id, ws)), lambda ws=ws: (*ws, Transposed(_joined(*ws))))[-1]
+        return {n: once(id(w), lambda w=w: (w, Transposed(_transposed(w))))[-1] if n in LINEARS and plain(w) else w
+                for n, w in tree.items()}
+
+    return walk(params)
+
+
+@jax.jit
+def _joined(*ws):
+    nk = jnp.concatenate([w.T for w in ws], axis=0)
+    return nk.reshape(nk.shape[::-1])
 
 
 @jax.jit

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from s3djax import cache as kv
 from s3djax import model, quant, weights
 from s3djax.decode import ARDecoder, Runner
 from s3djax.loading import load_model
@@ -126,16 +127,34 @@ def test_the_gpu_layout_holds_the_same_model(config):
     # decode; int8 weights and the [V, D] tables are left as they are, and a weight met twice is transposed once.
     config = config.replace(cpu_kernel=False)
     params = random_params(config, 4)
-    name = "qkv" if config.arch == "phi3" else "q"
-    laid = quant.lay_out_for_gpu({**params, "again": {name: params["layers_0"]["attn"][name]}})
-    again = laid.pop("again")[name]
-    first = laid["layers_0"]["attn"][name]
-    assert isinstance(first, quant.Transposed) and first.shape == params["layers_0"]["attn"][name].shape
-    assert again is first and not isinstance(laid["embed"], quant.Transposed)
+    attn = params["layers_0"]["attn"]
+    laid = quant.lay_out_for_gpu({**params, "again": {n: attn[n] for n in ("o", "q", "k", "v", "qkv") if n in attn}})
+    again = laid.pop("again")
+    qkv = laid["layers_0"]["attn"]["qkv"]  # Phi-3's own, or a Llama's q, k and v joined
+    assert set(laid["layers_0"]["attn"]) == {"qkv", "o"} and isinstance(qkv, quant.Transposed)
+    assert again["qkv"] is qkv and again["o"] is laid["layers_0"]["attn"]["o"]  # laid out once
+    assert qkv.shape == (config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim)
+    assert not isinstance(laid["embed"], quant.Transposed)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
     np.testing.assert_allclose(_forward_logits(laid, config, tokens), _forward_logits(params, config, tokens), rtol=1e-5, atol=1e-5)
     decoder = ARDecoder(config, 32, eos_ids=())
     prompt = [5, 9, 2, 7, 11]
     assert Runner(decoder, laid).generate(prompt, 12).tokens == Runner(decoder, params).generate(prompt, 12).tokens
     int8 = quant.apply(params, "int8", jnp.float32)
-    assert quant.lay_out_for_gpu(int8)["layers_0"]["mlp"] == int8["layers_0"]["mlp"]
+    assert quant.lay_out_for_gpu(int8)["layers_0"] == int8["layers_0"]
+    # A draft's adapters on q, k and v (b nonzero, as trained) apply to the joined weight's parts as they did apart
+    plan = SkipPlan.parse("1-2", config.num_layers)
+    keys = iter(jax.random.split(jax.random.key(7), 1000))
+    lora = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.random.normal(next(keys), x.shape, x.dtype) if path[-1] == jax.tree_util.DictKey("b") else x,
+        init_draft(params, config, plan, lora_rank=2)["lora"])
+
+    def draft_hidden(p, lora):
+        b, t = tokens.shape
+        cache, zeros = kv.init_cache(config, b, t), jnp.zeros((b,), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        return model.Decoder(config, plan).apply({"params": p}, tokens, positions, cache, zeros,
+                                                 kv.causal_mask(zeros, t, t), lora=lora)[0]
+    plain = draft_hidden(params, lora)
+    np.testing.assert_allclose(draft_hidden(laid, lora), plain, rtol=1e-5, atol=1e-5)
+    assert np.abs(plain - draft_hidden(params, None)).max() > 1e-3  # the adapters change the draft here
