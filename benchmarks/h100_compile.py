@@ -567,6 +567,25 @@ def report(records: list[dict], taus: dict, seconds: float, not_run: list[str] =
             tps = taus[method] * 1e3 / (dm + vm)
             lines.append(f"| {model} | {variant} | {method} | {taus[method]:.2f} | {dm:.3f} | {vm:.3f} | {tps:.0f} | "
                          f"{tps / ar_tps:.2f}x |")
+    lines += ["", "## Launch-bound projection", "",
+              "PROJECTION where a step costs its launches (SmolLM2 on a Hopper GPU: 0.27 GB of weights take 0.08 ms, a "
+              "launch a few µs): one iteration of a method's decode loop (one verify step) against one of AR's, speed-up "
+              "= tau x AR loop launches / the method's loop launches, with the same tau as above. Launches inside one "
+              "CUDA graph are assumed to cost alike, whatever the kernel.", "",
+              "| model | variant | method | loop launches | outside graphs | host loops | tau | projected speed-up |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for model, variant in itertools.product(STEP_MODELS, VARIANTS):
+        ar = steps.get((model, variant, "ar", "loop"))
+        if not ar:
+            continue
+        for method in METHOD_OPTIONS:
+            r = steps.get((model, variant, method, "loop"))
+            if not r:
+                continue
+            tau = 1.0 if method == "ar" else taus.get(method)
+            up = "-" if tau is None else f"{tau * ar['launches'] / r['launches']:.2f}x"
+            lines.append(f"| {model} | {variant} | {method} | {r['launches']} | {r.get('launches_outside_graphs', '-')} | "
+                         f"{r.get('host_loops', '-')} | {'-' if tau is None else f'{tau:.2f}'} | {up} |")
     return "\n".join(lines) + "\n"
 
 
