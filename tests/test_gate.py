@@ -1,6 +1,7 @@
 """The pause gate: steps that draft nothing keep greedy output `ar`'s for every drafter that can pause, and the
 breakeven is measured once per machine and decoder, cached, and its cache keyed and checked."""
 
+import dataclasses
 import json
 
 import jax
@@ -32,7 +33,7 @@ def drafters():
 
 def runner(drafter, params, **kw):
     draft = init_draft(params, LLAMA, PLAN) if isinstance(drafter, (S3DDrafter, WithLookup)) else {}
-    return Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=(), **kw), drafter), (params, draft))
+    return Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=(), **kw), drafter, gate=True), (params, draft))
 
 
 @pytest.mark.parametrize("name", ["s3d", "lookup", "s3d+lookup", "self-spec"])
@@ -49,6 +50,16 @@ def test_pausing_keeps_greedy_output_ars(name, breakeven):
     assert paused > 0 and steps > 0
     if breakeven == float("inf"):  # only the probes draft
         assert steps <= paused // PROBE_EVERY + 2
+
+
+def test_off_the_gate_is_not_compiled_in():
+    # The default decoder holds no paused branch: a breakeven no step reaches still drafts every step.
+    params = random_params(LLAMA, 0)
+    spec = runner(drafters()["s3d"], params)
+    spec.decoder = dataclasses.replace(spec.decoder, gate=False)
+    spec.overrides["breakeven"] = np.float32(float("inf"))
+    stats = spec.generate([3, 1, 4, 1, 5, 9, 2, 6], 20).stats
+    assert stats["paused_steps"] == 0 and stats["verify_steps"] > 0
 
 
 def test_drafters_that_cannot_pause_draft_every_step():

@@ -226,8 +226,8 @@ def test_pausing_by_the_running_acceptance_samples_the_target_distribution(param
     # The first step drafts; whether the next ones do depends on what earlier steps accepted (rate 0.6 against a
     # breakeven of 0.5: one rejected step pauses the next).
     decoder, plan = spec_decoder(NUCLEUS, "chain", gamma=2)
-    if lookup:
-        decoder = SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, switch=1, ngram=2))
+    drafter = WithLookup(decoder.drafter, switch=1, ngram=2) if lookup else decoder.drafter
+    decoder = SpecDecoder.create(decoder.ar, drafter, gate=True)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan), rate=np.float32(0.6),
                            breakeven=np.float32(0.5))
     assert chi_square_p(counts, exact_joint(NUCLEUS)) > SIGNIFICANCE

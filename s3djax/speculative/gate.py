@@ -14,6 +14,7 @@ and gained at most 0.10x elsewhere (docs/sampling.md#pausing-when-drafts-stop-pa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -113,6 +114,7 @@ def tune(runner, prompt_ids, name: str) -> float | None:
     mode = (os.environ.get(ENV) or DEFAULT).lower()
     if drafter is None or drafter.pause is None or mode not in ("on", "again"):
         return None
+    runner.decoder = dataclasses.replace(runner.decoder, gate=True)  # the paused branch, compiled in
     k, table = key(runner.decoder, runner.params), read()
     if k not in table or mode == "again":
         print(f"measuring when {name}'s drafts pay on this machine (once)...", file=sys.stderr, flush=True)

@@ -30,13 +30,16 @@ PROBE_EVERY = 8
 class SpecDecoder:
     ar: ARDecoder        # prefill, EOS and padding settings; its slack covers one block and one tree
     drafter: object      # see s3djax.speculative.drafters
+    # The pause gate compiled in (`gate.tune` sets it where S3DJAX_TUNE turns the gate on). Off, the loop holds no
+    # paused branch: a branch not taken still costs its launches where a step is counted in launches (a GPU).
+    gate: bool = False
 
     @classmethod
-    def create(cls, ar: ARDecoder, drafter) -> "SpecDecoder":
+    def create(cls, ar: ARDecoder, drafter, gate: bool = False) -> "SpecDecoder":
         if not ar.sampling.greedy:
             drafter.tree.check_sampling()
         # Slack covers the draft block, the tree's scratch slots and one step's output (depth + 1).
-        return cls(dataclasses.replace(ar, slack=drafter.scratch_nodes), drafter)
+        return cls(dataclasses.replace(ar, slack=drafter.scratch_nodes), drafter, gate)
 
     @property
     def max_cache_len(self):
@@ -101,7 +104,7 @@ class SpecDecoder:
                     "paused": s["paused"] + 1}
 
         def body(s):
-            if drafter.pause is None:
+            if drafter.pause is None or not self.gate:
                 return drafting(s)
             # A step drafts while the running acceptance pays for it, and every PROBE_EVERY-th paused step, to
             # measure it again. Both read only the past, so each step's token keeps the target's distribution. Each
