@@ -15,7 +15,7 @@ NVCC       := nvidia-cuda-nvcc-cu12==12.9.86
 PROMPT ?= Explain in three sentences why the sky is blue.
 ARGS   ?=
 
-.PHONY: setup cuda-env generate test clean gpu-carry
+.PHONY: setup cuda-env generate test test-quick clean gpu-carry
 
 setup: $(STAMP) $(KERNEL)
 
@@ -52,6 +52,10 @@ generate: setup
 # The slowest tests are listed at the end, so that a run shows where its time went.
 test: setup cuda-env
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup --durations=15 tests
+
+# For iterating: the suite without its slow modules (tests/conftest.py's SLOW_MODULES), a few minutes on two cores.
+test-quick: setup cuda-env
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadgroup -m "not slow" tests
 
 # What the GPU machine (no package index, no datasets or gguf) needs for `python -m benchmarks.gpu_suite`,
 # in .carry/ (git-ignored), each part small enough to travel with the working tree in one device call:
