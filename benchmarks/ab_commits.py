@@ -26,6 +26,10 @@ def worktree(rev: str, root: str) -> str:
     done = subprocess.run(["git", "-C", root, "worktree", "add", "--detach", "-f", path, rev], capture_output=True, text=True)
     if done.returncode:
         raise UserError(f"cannot check out {rev}: {done.stderr.strip().splitlines()[-1]}")
+    # Its own native kernels (git ignores the build), so each side decodes as a user's checkout of it would.
+    if os.path.exists(os.path.join(path, "cpu_kernels", "build.py")):
+        subprocess.run([sys.executable, "-m", "cpu_kernels.build"], cwd=path, env={**os.environ, "PYTHONPATH": path},
+                       capture_output=True)
     return path
 
 
