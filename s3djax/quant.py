@@ -370,10 +370,11 @@ def lay_out_for_gpu(params):
     (a draft sharing the target's layers) is laid out once; int8 weights are left as they are."""
     done = {}
 
-    def once(key, make):
+    def transposed(ws):  # the products of ws joined along their outputs, as one [out, in] weight, made once
+        key = tuple(map(id, ws))
         if key not in done:
-            done[key] = make()
-        return done[key]
+            done[key] = (ws, Transposed(_transposed(*ws)))  # ws kept alive, so their ids stay theirs
+        return done[key][1]
 
     def plain(w):
         return not is_weight(w) and getattr(w, "ndim", 0) == 2
@@ -386,23 +387,16 @@ def lay_out_for_gpu(params):
         tree = {k: walk(v) for k, v in tree.items()}
         for joined, parts in JOINED.items():
             if all(plain(tree.get(n)) for n in parts):
-                ws = [tree.pop(n) for n in parts]
-                tree[joined] = once((joined, *map(id, ws)), lambda ws=ws: (*ws, Transposed(_joined(*ws))))[-1]
-        return {n: once(id(w), lambda w=w: (w, Transposed(_transposed(w))))[-1] if n in LINEARS and plain(w) else w
-                for n, w in tree.items()}
+                tree[joined] = transposed([tree.pop(n) for n in parts])
+        return {n: transposed([w]) if n in LINEARS and plain(w) else w for n, w in tree.items()}
 
     return walk(params)
 
 
 @jax.jit
-def _joined(*ws):
+def _transposed(*ws):
     nk = jnp.concatenate([w.T for w in ws], axis=0)
     return nk.reshape(nk.shape[::-1])
-
-
-@jax.jit
-def _transposed(w):
-    return w.T.reshape(w.shape)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
