@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import types
+from unittest import mock
 
 from s3djax.cli import Parser, run
 
@@ -35,13 +36,13 @@ ACCEPTANCE = os.path.join(ROOT, "benchmarks", "results", "family-zen4-kept-layer
 class Setting:
     model: str
     attention: str            # "xla" or "pallas"
-    transposed: bool          # linears laid out [out, in] (quant.lay_out_for_gpu)
+    transposed: bool          # linears laid out [out, in], q/k/v joined (quant.lay_out_for_gpu)
     graphs: bool              # WHILE and CONDITIONAL in command buffers (compile_options.COMMAND_BUFFERS)
     quant: str = "none"
     s3d: bool = False         # also S3D's draft and verify steps, and the 64-node tree's verify
 
     def about(self) -> str:
-        return (f"{self.attention} attention, {'[out, in]' if self.transposed else '[in, out]'} linears, "
+        return (f"{self.attention} attention, {'[out, in] linears, q/k/v joined' if self.transposed else '[in, out] linears'}, "
                 f"{'whole-loop graphs' if self.graphs else 'XLA default graphs'}"
                 + (f", {self.quant} weights" if self.quant != "none" else ""))
 
@@ -89,12 +90,10 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
     max_cache = 2048
 
     def build(method, **options):
-        built = methods.build(method, loaded, max_cache_len=max_cache, dtype="bfloat16",
-                              **({"draft_path": "none"} if quick else {}), **options)
-        if not s.transposed:  # undo methods.build's GPU layout
-            built.params = jax.tree.map(lambda w: w.unpacked() if isinstance(w, quant.Transposed) else w,
-                                        built.params, is_leaf=quant.is_weight)
-        return built
+        # Without the GPU layout, methods.build keeps the weights as loaded: [in, out], q, k and v apart.
+        with mock.patch.object(quant, "lay_out_for_gpu", quant.lay_out_for_gpu if s.transposed else lambda p: p):
+            return methods.build(method, loaded, max_cache_len=max_cache, dtype="bfloat16",
+                                 **({"draft_path": "none"} if quick else {}), **options)
 
     ar = build("ar")
     laid_out = any(isinstance(w, quant.Transposed) for w in jax.tree.leaves(ar.params, is_leaf=quant.is_weight))
