@@ -278,8 +278,10 @@ def rewrite(jsonl: str, out: str) -> None:
         lines = [json.loads(line) for line in f if line.strip()]
     copy_bw = next((r["copy_bw"] for r in lines if "copy_bw" in r), None)
     text = table([r for r in lines if "setting" in r], copy_bw)
+    from benchmarks import report
+
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"gpu_steps-{lines[0].get('device', 'device').replace(' ', '-').lower()}.md"), "w") as f:
+    with open(os.path.join(out, f"gpu_steps-{report.kind_slug(lines[0].get('device', 'device'))}.md"), "w") as f:
         f.write(text + "\n")
     print(text)
 

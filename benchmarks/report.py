@@ -15,7 +15,12 @@ import numpy as np
 def device_slug() -> str:
     """The device in a file name: "cpu", or the accelerator's kind ("nvidia-h100-80gb-hbm3")."""
     dev = jax.devices()[0]
-    return "cpu" if dev.platform == "cpu" else dev.device_kind.replace(" ", "-").lower()
+    return "cpu" if dev.platform == "cpu" else kind_slug(dev.device_kind)
+
+
+def kind_slug(kind: str) -> str:
+    """A device kind ("NVIDIA H100 80GB HBM3") as it goes in a file name."""
+    return kind.replace(" ", "-").lower()
 
 
 def timing_args(module: str, doc: str, repeats: int):
