@@ -142,3 +142,11 @@ def test_xla_attention_over_the_occupied_prefix_equals_the_dense_mask(lengths):
     wide = PrefixTreeMask(mask.lengths, tree[:, 3:])
     np.testing.assert_allclose(attend(q[:, 3:], kc, vc, wide), attend(q[:, 3:], kc, vc, wide.dense(300)), atol=exact,
                                rtol=exact)
+
+
+def test_attention_defaults_to_the_kernel_on_a_gpu_alone(monkeypatch):
+    from s3djax import config
+
+    assert config.default_attention() == "xla"  # here: the kernel would only interpret
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert config.default_attention() == "pallas"
