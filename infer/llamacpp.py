@@ -17,6 +17,7 @@ import os
 import time
 from typing import Callable
 
+from s3djax import user_cache
 from s3djax.errors import UserError
 
 PEERS = ("llamacpp-gguf", "llamacpp-f32", "llamacpp-q8_0")
@@ -39,9 +40,8 @@ def gguf_for(name: str, source: str) -> str:
         return source
     import llama_cpp
 
-    root = os.environ.get("S3DJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "s3djax")
     stamp = f"{os.path.getsize(source)}-{int(os.path.getmtime(source))}"
-    out = os.path.join(root, "llamacpp", f"{os.path.basename(source)[:-5]}-{stamp}-{name.split('-')[1]}.gguf")
+    out = user_cache.path("llamacpp", f"{os.path.basename(source)[:-5]}-{stamp}-{name.split('-')[1]}.gguf")
     if not os.path.isfile(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         params = llama_cpp.llama_model_quantize_default_params()

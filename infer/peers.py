@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from s3djax import user_cache
 from s3djax.errors import UserError
 
 PEERS = ("hf-ar", "hf-early-exit", "hf-prompt-lookup")
@@ -42,7 +43,7 @@ def unavailable() -> str | None:
 
 
 def cache_dir(loaded) -> str:
-    """`$S3DJAX_CACHE` (default ~/.cache/s3djax)/hf/<name>-<fingerprint>.
+    """The user's cache folder (`s3djax.user_cache`)/hf/<name>-<fingerprint>.
 
     The fingerprint hashes the config and a strided sample of every tensor rather than the source
     file's name or mtime: the same name may come from another file, dtype or requantization, and
@@ -53,8 +54,7 @@ def cache_dir(loaded) -> str:
 
     for leaf in jax.tree.leaves(loaded.params):
         h.update(np.ascontiguousarray(np.asarray(leaf).reshape(-1)[::4099]).tobytes())
-    root = os.environ.get("S3DJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "s3djax")
-    return os.path.join(root, "hf", f"{os.path.basename(loaded.name)}-{h.hexdigest()[:12]}")
+    return user_cache.path("hf", f"{os.path.basename(loaded.name)}-{h.hexdigest()[:12]}")
 
 
 def _write(loaded, folder: str) -> None:

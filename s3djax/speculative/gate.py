@@ -26,20 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3djax import device
+from s3djax import device, user_cache
 
 ENV = "S3DJAX_TUNE"
+TABLE = "step-costs.json"
 DEFAULT = "off"  # measured, as the docstring says
 PROMPT = "Summarize the plot of a famous novel in a few sentences, then say why it is still read today."
 # Tokens decoded in each timed stretch: a warm-up, then drafting and pausing three times each, interleaved, the
 # fastest of each kept: another process taking the cores makes a stretch slower, never faster, and shorter
 # stretches proved too noisy on a shared machine (docs/sampling.md).
 STRETCHES = (("draft", 4),) + (("draft", 32), ("pause", 16)) * 3
-
-
-def cache_path() -> str:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "s3djax", "step-costs.json")
 
 
 def key(decoder, params) -> str:
@@ -51,32 +47,7 @@ def key(decoder, params) -> str:
 
 
 def read() -> dict:
-    path = cache_path()
-    try:
-        with open(path) as f:
-            table = json.load(f)
-        if not isinstance(table, dict) or not all(isinstance(v, dict) and isinstance(v.get("breakeven"), (int, float))
-                                                  for v in table.values()):
-            raise ValueError("not a table of step costs")
-        return table
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        print(f"note: ignoring {path} ({e}); measuring again", file=sys.stderr)
-        return {}
-
-
-def write(table: dict) -> None:
-    path = cache_path()
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(table, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        print(f"note: cannot save step costs to {path} ({e.strerror}); they are measured again next time",
-              file=sys.stderr)
+    return user_cache.read_table(TABLE, lambda entry: isinstance(entry.get("breakeven"), (int, float)))
 
 
 def measure(runner, prompt_ids: list[int]) -> dict | None:
@@ -122,6 +93,6 @@ def tune(runner, prompt_ids, name: str) -> float | None:
         if found is None:
             return None
         table = {**table, k: {**found, "device": device.describe(), "date": time.strftime("%Y-%m-%d")}}
-        write(table)
+        user_cache.write_table(TABLE, table)
     runner.overrides["breakeven"] = np.float32(table[k]["breakeven"])
     return table[k]["breakeven"]
