@@ -70,6 +70,7 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
     import numpy as np
 
     from s3djax import compile_options, methods, model, quant, registry
+    from s3djax.speculative.drafters.s3d import PAPER_GAMMA
     from s3djax.decode import Runner
     from s3djax.loading import LoadedModel
     from s3djax.speculative import tree as trees
@@ -116,9 +117,9 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
         except Exception as e:  # the profiler is a diagnosis: the timing stands without it
             record["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     if s.s3d:
-        s3d = build("s3d", gamma=methods.PAPER_GAMMA, lookup=0)
+        s3d = build("s3d", gamma=PAPER_GAMMA, lookup=0)
         state = Runner(s3d.decoder, s3d.params).prefill(prompt)
-        named = {"verify": trees.TreeSpec.chain(methods.PAPER_GAMMA), "tree64": trees.resolve("tree-64", methods.PAPER_GAMMA)}
+        named = {"verify": trees.TreeSpec.chain(PAPER_GAMMA), "tree64": trees.resolve("tree-64", PAPER_GAMMA)}
         record["s3d"] = step_times(s3d.decoder, s3d.params, state, trees=named, repeats=20)
         record["s3d_kept_layers"] = sum(a or m for a, m in zip(s3d.decoder.drafter.plan.attn, s3d.decoder.drafter.plan.mlp))
     emit(record)

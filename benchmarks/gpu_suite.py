@@ -70,6 +70,8 @@ def pieces(args, run_dir: str) -> list[Piece]:
     # Issue 70's settings at random weights: the step itself, before any benchmark over prompts.
     out.append(Piece("steps", ("-m", "benchmarks.gpu_steps", *(("--quick", "--only", "smollm2/new") if args.tiny else ()),
                                "--out", at("steps")), ("gpu",)))
+    # The chain depths the speed model chooses on this GPU (the benchmarks below run the data file's).
+    out.append(Piece("tune", ("-m", "infer.tune", *model, "--dtype", "bfloat16", "--out", at("tune")), ("gpu", "model")))
     out += [Piece("tree-attention", ("-m", "benchmarks.tree_attention", *quick, "--out", at("tree-attention")), ("gpu",)),
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}
@@ -184,7 +186,10 @@ def run_piece(piece: Piece, run_dir: str, timeout_s: float) -> dict:
     folder = output_folder(os.path.join(run_dir, piece.name))
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            # jax and torch (the hf-ar peer) share the GPU in one process: jax takes memory as it needs it.
-           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           # Each piece runs the data file's depths: timing every depth on the lease (s3djax.defaults) would spend
+           # minutes of it compiling; a piece of its own measures them.
+           "S3DJAX_DEFAULTS": os.environ.get("S3DJAX_DEFAULTS", "fixed")}
     start = time.time()
     with open(os.path.join(folder, "log.txt"), "a") as log:
         log.write(f"$ python {' '.join(piece.argv)}\n")

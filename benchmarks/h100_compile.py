@@ -138,6 +138,7 @@ def abstract_build(name: str, method: str, quantization: str | None, tree: str |
     import jax.numpy as jnp
 
     from s3djax import methods, quant, registry
+    from s3djax.speculative.drafters.s3d import PAPER_GAMMA
     from s3djax.loading import LoadedModel
     from s3djax.model import abstract_params
 
@@ -151,7 +152,7 @@ def abstract_build(name: str, method: str, quantization: str | None, tree: str |
         built = methods.build(method, dataclasses.replace(model, params=params), max_cache_len=MAX_CACHE_LEN,
                               dtype="bfloat16", draft_path="none",
                               # a GPU's defaults, which the CPU backend compiling here does not pick
-                              **{"gamma": methods.PAPER_GAMMA, "tree": tree, "lookup": 0, **options})
+                              **{"gamma": PAPER_GAMMA, "tree": tree, "lookup": 0, **options})
         decoders.append(built.decoder)
         return quant.lay_out_for_gpu(built.params)  # as methods.build lays weights out on a GPU
 

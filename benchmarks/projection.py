@@ -35,7 +35,7 @@ def main():
     from s3djax import device, model, quant, registry
     from s3djax.decode import ARDecoder, Runner
     from s3djax.errors import UserError
-    from s3djax.methods import default_draft_plan
+    from s3djax.speculative.drafters.s3d import default_plan
     from s3djax.speculative.draft_params import init_draft
     from s3djax.speculative.drafters.s3d import S3DDrafter
     from s3djax.speculative.loop import SpecDecoder
@@ -60,7 +60,7 @@ def main():
             config = config.replace(num_layers=2, hidden_size=config.hidden_size // 16,
                                     intermediate_size=config.intermediate_size // 16,
                                     num_heads=config.num_heads // 16, num_kv_heads=config.num_kv_heads // 16)
-        plan = default_draft_plan(config.num_layers)
+        plan = default_plan(config.num_layers)
         for weights in ("bf16", "int8"):
             print(f"{name} {weights}...", file=sys.stderr, flush=True)
             params = model.init_params(config, jax.random.key(0), jnp.bfloat16)

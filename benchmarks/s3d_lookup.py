@@ -28,9 +28,10 @@ def main():
     p.add_argument("--method", default="s3d", choices=("s3d", "self-spec", "kangaroo", "s2d", "lookup"))
     p.add_argument("--lookup", default="0,1,2,3", help="comma-separated switches (0: the drafter alone; "
                    "--method lookup has none, and ignores it)")
-    p.add_argument("--gamma", default="", help="s3d: comma-separated depths (default: the platform's)")
+    p.add_argument("--gamma", default="", help="s3d: comma-separated depths, `default` for the one chosen on this "
+                   "machine (default: that alone)")
     p.add_argument("--max-draft", default="", help="self-spec, kangaroo, s2d, lookup: comma-separated "
-                   "depths (default: the method's)")
+                   "depths, `default` for the method's (default: that alone)")
     p.add_argument("--tree", default="", help="comma-separated trees (default: the method's)")
     p.add_argument("--draft", default="shipped", help="comma-separated draft files (shipped: the model's own)")
     p.add_argument("--draft-weights", default="", help="comma-separated: none, int8 (default: the platform's)")
@@ -43,7 +44,7 @@ def main():
     args = p.parse_args()
     datasets = [d for d in args.dataset.split(",") if d]
     limits = parse_limits(args.limit, datasets)
-    numbers = lambda text: all(s.strip().isdigit() for s in text.split(","))
+    numbers = lambda text: all(s.strip().isdigit() or s == "default" for s in text.split(","))  # noqa: E731
     p.check(args, lookup=numbers(args.lookup), gamma=not args.gamma or numbers(args.gamma),
             max_draft=not args.max_draft or numbers(args.max_draft), limit=limits is not None, rounds=args.rounds >= 1,
             max_new_tokens=args.max_new_tokens >= 2)
@@ -58,7 +59,8 @@ def main():
 
     m = load_model("smollm2-135m", progress=False)
     sets = {name: [q["ids"] for q in prompts(name, m.tokenizer, limits.get(name))] for name in datasets}
-    listed = lambda text, kind=str: [kind(v) for v in text.split(",")] if text else [None]  # noqa: E731
+    listed = lambda text, kind=str: [None if v == "default" else kind(v)  # noqa: E731
+                                     for v in text.split(",")] if text else [None]
     axes = {"draft_path": [None if d == "shipped" else d for d in args.draft.split(",")],
             "gamma": listed(args.gamma, int), "max_draft": listed(args.max_draft, int), "tree": listed(args.tree),
             "lookup": [None] if args.method == "lookup" else listed(args.lookup, int),  # lookup has no switch
@@ -66,7 +68,7 @@ def main():
     variants, depth = {"ar": methods.build("ar", m, max_cache_len=2048)}, {}
     for combo in itertools.product(*axes.values()):
         opts = dict(zip(axes, combo))
-        name = ", ".join(f"{AXES[k]} {'shipped' if v is None else v}" for k, v in opts.items() if len(axes[k]) > 1)
+        name = ", ".join(f"{AXES[k]} {'default' if v is None else v}" for k, v in opts.items() if len(axes[k]) > 1)
         name = f"{args.method}, {name}" if name else args.method
         try:
             variants[name] = methods.build(args.method, m, max_cache_len=2048, **opts)

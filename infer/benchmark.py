@@ -21,7 +21,8 @@ import numpy as np
 
 from s3djax.cli import Parser, run, sampling
 from s3djax.config import default_attention
-from s3djax.methods import METHODS, default_gamma
+from s3djax.methods import METHODS
+from s3djax.sampling import GREEDY
 
 DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup,hf-ar,hf-early-exit,hf-prompt-lookup"
 
@@ -134,8 +135,7 @@ def method_options(args, name: str) -> dict:
     from s3djax import methods
 
     opts = methods.options(args, name)
-    return dict(opts, skip=opts["skip"] if name != "ar" else "", temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p)
+    return dict(opts, skip=opts["skip"] if name != "ar" else "", sampling=sampling(args))
 
 
 class Method:
@@ -153,7 +153,7 @@ class JaxMethod(Method):
         from s3djax import quant
 
         options = method_options(args, name)
-        session = gen.session(name, **(dict(options, temperature=0.0) if greedy else options))
+        session = gen.session(name, **(dict(options, sampling=GREEDY) if greedy else options))
         self.seed = args.seed
         self.warnings, self.about = session.warnings, session.about
         breakeven = session.runner.overrides.get("breakeven")
@@ -291,8 +291,6 @@ def main(argv=None):
     from s3djax.errors import UserError
     from s3djax.generator import Generator
 
-    if args.gamma is None:  # recorded as it ran, for readers of results.json (benchmarks.projection)
-        args.gamma = default_gamma(args.tree)
     known = METHODS + ("ar-xla", "ar-greedy") + peers.PEERS + llamacpp.PEERS
     unknown = [name for name in args.methods if name not in known]
     if unknown:
@@ -317,6 +315,8 @@ def main(argv=None):
     m = gen.load()
     print(f"loaded {m.name} in {m.load_s:.1f} s; building {', '.join(args.methods)}...", file=sys.stderr, flush=True)
     methods = build_methods(args, gen, [p["ids"] for p in first[:2]], notes)
+    if args.gamma is None and "s3d" in methods:  # recorded as it ran, for readers of results.json (benchmarks.projection)
+        args.gamma = methods["s3d"].depth
     for method in methods.values():
         notes.extend(method.warnings)
     for name, method in methods.items():  # compile and warm up apart from the timed runs

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from s3djax import cli
 from s3djax.cli import Parser, run
 from s3djax.methods import METHODS
 
@@ -95,15 +96,15 @@ def main_batch(args):
     from s3djax.generator import Generator
 
     prompts = read_batch(args.batch_file)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = cli.sampling(args)
     gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
                     max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
                     load=False, **methods.options(args, args.method))
     for prompt in prompts:  # every prompt is checked before a weight is read
-        gen.check(prompt, chat_template=not args.no_chat_template, **sampling)
+        gen.check(prompt, chat_template=not args.no_chat_template, sampling=sampling)
     print(f"decoding {len(prompts)} prompts...", file=sys.stderr, flush=True)
     outs = gen.generate(prompts, args.max_new_tokens, seed=args.seed, chat_template=not args.no_chat_template,
-                        **sampling)
+                        sampling=sampling)
     for i, out in enumerate(outs):
         print(json.dumps({"index": i, **out.json()}) if args.json else f"--- {i}\n{out.text}", flush=True)
     new = sum(len(o.token_ids) for o in outs)
@@ -121,16 +122,16 @@ def main(argv=None):
     from s3djax import methods
     from s3djax.generator import Generator
 
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = cli.sampling(args)
     gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
                     max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
                     load=False, **methods.options(args, args.method))
-    ids = gen.check(prompt, chat_template=not args.no_chat_template, **sampling)
-    session = gen.session(**sampling)
+    ids = gen.check(prompt, chat_template=not args.no_chat_template, sampling=sampling)
+    session = gen.session(sampling=sampling)
     for warning in session.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"loaded {gen.model.name} in {gen.model.load_s:.1f} s; compiling...", file=sys.stderr, flush=True)
-    options = dict(seed=args.seed, chat_template=not args.no_chat_template, **sampling)
+    options = dict(seed=args.seed, chat_template=not args.no_chat_template, sampling=sampling)
     if args.json:
         out = gen.generate(prompt, args.max_new_tokens, **options)
     else:

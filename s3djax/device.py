@@ -21,24 +21,6 @@ def cpu_name(cpuinfo: str) -> str:
     return fields.get("model name", "cpu") + (f" ({detail})" if detail else "")
 
 
-def platform() -> str:
-    """The key of the measured-fastest defaults: the backend, told apart on a CPU by the vector unit its kernels
-    run on (a 5-token verify cost 0.90x an AR step on an AVX-512 Zen 4 against 1.27x on an AVX2 Zen 3, which moves
-    the fastest draft depths)."""
-    backend = jax.default_backend()
-    if backend == "cpu":
-        from cpu_kernels import matmul
-
-        if matmul.isa() == "avx512":
-            return "cpu-avx512"
-    return backend
-
-
-def fastest(table: dict, default):
-    """A measured-fastest table's entry for this machine: its `platform()`'s, else its backend's, else `default`."""
-    return table.get(platform(), table.get(jax.default_backend(), default))
-
-
 def describe() -> str:
     dev = jax.devices()[0]
     if dev.platform == "cpu":

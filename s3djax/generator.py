@@ -3,6 +3,7 @@
     gen = s3djax.Generator("smollm2-135m", method="s3d")
     out = gen.generate("Explain why the sky is blue.", max_new_tokens=128)
     print(out.text, out.tokens_per_s, out.tau, out.acceptance_by_depth)
+    out = gen.generate("Tell me a story.", sampling=s3djax.Sampling(temperature=0.7, top_p=0.9), seed=1)
 
 Every option is checked before a weight is read, with the command line's one-line `UserError`s.
 Switching the method or its options reuses the loaded weights, and a method built once keeps its
@@ -21,7 +22,7 @@ from s3djax.decode import Result, Runner
 from s3djax.errors import UserError
 from s3djax.loading import LoadedModel, ModelSource, open_model
 from s3djax.registry import DEFAULT_MODEL
-from s3djax.sampling import Sampling
+from s3djax.sampling import GREEDY, Sampling
 from s3djax.speculative import gate
 from s3djax.tokenizer import encode_prompt
 
@@ -119,8 +120,7 @@ class Generator:
 
     model: a registry name, a .gguf file or a Hugging Face checkpoint folder (`checkpoint` for a
     registry shape such as llama-2-7b). method and **options: the default method and its options
-    (`methods.Options`: skip, gamma, tree, draft_path, max_draft, exit_layer, eta, thresholds,
-    target_from, ngram, lookup); `generate` and `stream` may name others. quant: None keeps the weights as stored,
+    (`s3djax.options.Options`, each field with its help); `generate` and `stream` may name others. quant: None keeps the weights as stored,
     "int8" or "int8-all" quantizes on load. load=False reads the weights on first use (`load`).
     """
 
@@ -177,11 +177,11 @@ class Generator:
         return self.model
 
     def check(self, prompt: str | None = None, *, method: str | None = None, chat_template: bool = True,
-              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, **options) -> list[int] | None:
+              sampling: Sampling = GREEDY, **options) -> list[int] | None:
         """Everything that can be checked without the weights: the method and its options (artifact
         files by their contents), the sampling, and whether the prompt fits the cache. Returns the
         prompt's token ids when given one."""
-        key = self._key(method, Sampling(temperature, top_k, top_p), options)
+        key = self._key(method, sampling, options)
         if key not in self._checked:
             method, sampling, options = key[0], key[1], dict(key[2])
             self._checked[key] = methods.check(method, self.source, max_cache_len=self.max_cache_len,
@@ -197,14 +197,14 @@ class Generator:
         """What a built method depends on besides the weights."""
         return method or self.method, sampling, tuple(sorted({**(self.options if defaults else {}), **options}.items()))
 
-    def session(self, method: str | None = None, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                defaults: bool = True, **options) -> Session:
+    def session(self, method: str | None = None, *, sampling: Sampling = GREEDY, defaults: bool = True,
+                **options) -> Session:
         """The method built on the loaded weights; built once per method, options and sampling. `defaults`: the
         Generator's own options apply where these do not say otherwise."""
-        key = self._key(method, Sampling(temperature, top_k, top_p), options, defaults)
+        key = self._key(method, sampling, options, defaults)
         if key not in self._sessions:
             if self.model is None:  # bad options fail before the weights are read
-                self.check(method=method, temperature=temperature, top_k=top_k, top_p=top_p, **options)
+                self.check(method=method, sampling=sampling, **options)
             method, sampling, options = key[0], key[1], dict(key[2])
             built = methods.build(method, self.load(), max_cache_len=self.max_cache_len, dtype=self.dtype,
                                   sampling=sampling, **options)
@@ -214,13 +214,12 @@ class Generator:
         return self._sessions[key]
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 128, *, method: str | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat_template: bool = True, **options) -> Output | list[Output]:
+                 sampling: Sampling = GREEDY, seed: int = 0, chat_template: bool = True,
+                 **options) -> Output | list[Output]:
         """The completion of one prompt, or of each prompt in a list, decoded as one batch: each row greedy-identical
         to its prompt alone, an Output's tokens_per_s its row's and stats["batch_tokens_per_s"] the whole batch's.
         A batch is decoded by the target's own steps whatever the method, since drafting stops paying there: drafting
         one prompt at a time measured slower than the batch of plain steps (docs/sampling.md#batches)."""
-        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         if not isinstance(prompt, (list, tuple)):
             session, ids = self._start(prompt, max_new_tokens, method, chat_template, sampling, options)
             return self._output(session, session.runner.generate(ids, max_new_tokens, seed=seed))
@@ -228,8 +227,8 @@ class Generator:
             raise UserError("no prompts to generate for")
         if len(prompt) == 1:
             return [self.generate(prompt[0], max_new_tokens, method=method, seed=seed, chat_template=chat_template,
-                                  **sampling, **options)]
-        self.check(method=method, **sampling, **options)  # the method's options are still the user's to get right
+                                  sampling=sampling, **options)]
+        self.check(method=method, sampling=sampling, **options)  # the method's options are still the user's to get right
         plain = (method or self.method) != "ar"  # then the target alone: no draft's skip plan
         starts = [self._start(p, max_new_tokens, "ar", chat_template, sampling, {} if plain else options,
                               defaults=not plain) for p in prompt]
@@ -240,19 +239,17 @@ class Generator:
             r.stats = {**r.stats, "batch": len(results), "batch_tokens_per_s": total}
         return [self._output(session, r) for r in results]
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, *, method: str | None = None, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0, chat_template: bool = True, chunk: int = 16,
-               **options) -> Stream:
+    def stream(self, prompt: str, max_new_tokens: int = 128, *, method: str | None = None, sampling: Sampling = GREEDY,
+               seed: int = 0, chat_template: bool = True, chunk: int = 16, **options) -> Stream:
         """Like `generate`, but iterate the result for the text as it comes, `chunk` decode steps at a
         time; the Output is the stream's `output` once it ends."""
-        session, ids = self._start(prompt, max_new_tokens, method, chat_template,
-                                   dict(temperature=temperature, top_k=top_k, top_p=top_p), options)
+        session, ids = self._start(prompt, max_new_tokens, method, chat_template, sampling, options)
         return Stream(self, session, ids, session.runner.iterate(ids, max_new_tokens, seed, chunk))
 
     def _start(self, prompt, max_new_tokens, method, chat_template, sampling, options, defaults: bool = True):
         if max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        session = self.session(method, **sampling, defaults=defaults, **options)
+        session = self.session(method, sampling=sampling, defaults=defaults, **options)
         ids = encode_prompt(self.tokenizer, prompt, chat_template)
         session.built.decoder.check_prompt(len(ids))
         return session, ids

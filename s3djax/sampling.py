@@ -22,6 +22,8 @@ CANDIDATES = 256
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """How tokens are drawn, passed whole (`Generator.generate(..., sampling=Sampling(0.7, top_p=0.9))`): every
+    method samples exactly the target's distribution under it. Bad values are one-line `UserError`s."""
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0            # 0: off
     top_p: float = 1.0        # 1: off
@@ -37,7 +39,11 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the argmax, and speculative output token-identical to `ar`'s."""
         return self.temperature == 0.0
+
+
+GREEDY = Sampling()  # the default everywhere: temperature 0
 
 
 def top_k(x, k: int):

@@ -15,6 +15,9 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # Every speculative step drafts unless a test sets the pause gate itself (tests/test_gate.py measures it as a user's
 # first run with S3DJAX_TUNE=on does), whatever the environment running the suite says.
 os.environ["S3DJAX_TUNE"] = "off"
+# Defaults from configs/defaults.yaml, not timed on the machine running the suite (tests/test_defaults.py sets
+# its own), so every test builds the same decoders wherever it runs.
+os.environ["S3DJAX_DEFAULTS"] = "fixed"
 
 import pytest  # noqa: E402
 from jax import monitoring  # noqa: E402

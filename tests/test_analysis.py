@@ -77,11 +77,11 @@ def test_skip_schemes_skip_equally_many_layers():
 
 
 def test_the_shipped_plan_is_the_one_the_shipped_draft_file_records():
-    from s3djax.methods import default_draft_plan
+    from s3djax.speculative.drafters.s3d import default_plan
 
     plan = an.shipped_plan("smollm2-135m", 30)
     assert plan.spec() == "14-15"  # the 28-layer draft of 2026-11-28, not the untrained default's 8-21
-    assert plan != default_draft_plan(30)
+    assert plan != default_plan(30)
 
 
 @pytest.fixture(scope="module")

@@ -62,3 +62,12 @@ def test_the_readme_is_short_and_every_docs_page_is_reachable_from_it():
                 reached.add(path)
                 todo.append(path)
     assert [p.name for p in PAGES if p.parent == ROOT / "docs" and p not in reached] == []
+
+
+def test_every_method_option_the_command_line_takes_is_documented():
+    # One declaration (s3djax.options) makes the flags and the Python keywords; the pages must name every flag.
+    from s3djax import options
+
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "methods.md").read_text()
+    flags = [options.flag(f) for f in options.dataclasses.fields(options.Options)]
+    assert len(flags) >= 13 and [f for f in flags if not re.search(re.escape(f) + r"(?![\w-])", text)] == []

@@ -19,6 +19,7 @@ from benchmarks.h100_compile import abstract_build, new_tokens, projections
 from pallas_kernels.int8_matmul import int8_matmul
 from pallas_kernels.tree_attention import tree_attention
 from s3djax import methods, registry
+from s3djax.speculative.drafters.s3d import PAPER_GAMMA
 
 S = jax.ShapeDtypeStruct
 MODELS = ("smollm2-135m", "llama-2-7b", "phi-3-mini-4k")  # head dims 64, 128 and 96
@@ -58,7 +59,7 @@ def lower_steps(decoder, params) -> tuple[str, str]:
 
 @pytest.mark.parametrize("method", methods.METHODS)
 def test_the_start_and_decode_steps_lower_for_cuda(smollm2, method):
-    built = methods.build(method, smollm2, max_cache_len=2048, gamma=methods.PAPER_GAMMA)  # a GPU's default
+    built = methods.build(method, smollm2, max_cache_len=2048, gamma=PAPER_GAMMA)  # a GPU's default
     assert "stablehlo.while" in lower_steps(built.decoder, built.params)[1]  # one loop, on device
 
 

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import gpu_suite
 from benchmarks.gpu_suite import Piece
 from s3djax.errors import UserError
-from s3djax.methods import default_gamma
+from s3djax.speculative.drafters.s3d import default_gamma
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     folder, record = the_record(out)
     assert os.path.basename(folder).startswith("gpu-suite-tiny-cpu-jax")
-    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "compile", "lowering", "kernels", "steps", "tree-attention", "int8-decode",
+    assert list(record["pieces"]) == ["tiny-model", "tiny-data", "compile", "lowering", "kernels", "steps", "tune", "tree-attention", "int8-decode",
                                       "bench-mt-bench-bf16-xla", "projection", "bench-humaneval-int8-pallas", "train-s3d"]
     assert {p["status"] for p in record["pieces"].values()} == {"done"}
     for piece in ("lowering", "kernels"):
@@ -48,7 +48,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
         assert all(m["identical"] == 1.0 and m["prompts"] == 1 for m in methods.values())
         assert bench["device"].startswith("CPU") and methods["ar"]["speedup"] == 1.0
         s3d = methods["s3d"]
-        # The gamma it ran with is recorded (the projection reads it): unset, the CPU's measured fastest.
+        # The gamma it ran with is recorded (the projection reads it): unset, the data file's (the suite fixes defaults).
         assert bench["settings"]["gamma"] == default_gamma("chain") == len(s3d["acceptance_by_depth"])
         assert s3d["verify_steps"] >= 1
         assert s3d["speedup"] == pytest.approx(s3d["tokens_per_s"] / methods["ar"]["tokens_per_s"])

@@ -19,7 +19,8 @@ from s3djax.errors import UserError
 from s3djax.methods import Options
 from s3djax.speculative import draft_vocab, verify
 from s3djax.speculative.draft_params import load_artifact, save_artifact
-from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, build_kangaroo, init_adapter, shallow_plan
+from s3djax.speculative.drafters.kangaroo import build as build_kangaroo
+from s3djax.speculative.drafters.kangaroo import KangarooDrafter, adapter_hidden, init_adapter, shallow_plan
 from s3djax.speculative.drafters.lookup import WithLookup
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
@@ -166,29 +167,29 @@ def test_the_adapter_cache_stays_consistent_across_rejections_and_full_acceptanc
         np.testing.assert_allclose(a["k"][:, :length], b["k"], rtol=1e-4, atol=1e-5)
 
 
-def test_build_kangaroo_refuses_bad_adapters_and_exit_layers(tmp_path):
+def test_the_kangaroo_builder_refuses_bad_adapters_and_exit_layers(tmp_path):
     from s3djax.loading import LoadedModel
     from s3djax.speculative.draft_params import save_artifact
 
     m = LoadedModel("tiny-llama", LLAMA, random_params(LLAMA, 0), None, 0.0)
     ar = ARDecoder(LLAMA, CACHE, eos_ids=())
     with pytest.raises(UserError, match="no shipped Kangaroo adapter: train one with `python -m train.kangaroo`"):
-        build_kangaroo(m, ar, Options(), "float32")
-    built = build_kangaroo(m, ar, Options(draft_path="none", exit_layer=3, tree="top2", max_draft=3), "float32")
+        build_kangaroo(m, ar, Options(), "float32", True)
+    built = build_kangaroo(m, ar, Options(draft_path="none", exit_layer=3, tree="top2", max_draft=3), "float32", True)
     assert built.decoder.drafter.exit_layer == 3 and built.decoder.drafter.tree == TreeSpec.spine(3, 2)
     assert "untrained" in built.warnings[0]
     path = str(tmp_path / "a.npz")
     save_artifact(path, init_adapter(m.params, LLAMA, 2), {"method": "kangaroo", "exit_layer": 2})
-    assert build_kangaroo(m, ar, Options(draft_path=path), "float32").decoder.drafter.exit_layer == 2
+    assert build_kangaroo(m, ar, Options(draft_path=path), "float32", True).decoder.drafter.exit_layer == 2
     for opts, message in ((Options(draft_path=path, exit_layer=1), "trained for exit layer 2, not --exit-layer 1"),
                           (Options(draft_path="none", exit_layer=4), "exit layer must be in 1..3"),
                           (Options(draft_path=path, tree="tree-8"), "its tree must be chain or topK"),
                           (Options(draft_path=str(tmp_path / "no.npz")), "no such Kangaroo adapter file")):
         with pytest.raises(UserError, match=message):
-            build_kangaroo(m, ar, opts, "float32")
+            build_kangaroo(m, ar, opts, "float32", True)
     save_artifact(path, init_adapter(random_params(PHI3, 0), PHI3, 2), {"method": "kangaroo", "exit_layer": 2})
     with pytest.raises(UserError, match="not a Kangaroo adapter for a llama model"):
-        build_kangaroo(m, ar, Options(draft_path=path), "float32")
+        build_kangaroo(m, ar, Options(draft_path=path), "float32", True)
 
 
 def test_smollm2_kangaroo_from_the_cli_prints_what_ar_generates(smollm2):
@@ -293,7 +294,7 @@ def test_training_exports_an_adapter_that_loads_and_resumes(data, tmp_path):
     with pytest.raises(UserError, match="other.npz is not a Kangaroo adapter"):
         KangarooTask.create(m, wrong, 64).init_trainable(m, wrong, jax.random.key(0))
 
-    built = build_kangaroo(m, ARDecoder(TINY, 64, eos_ids=()), Options(draft_path=resumed["path"]), "float32")
+    built = build_kangaroo(m, ARDecoder(TINY, 64, eos_ids=()), Options(draft_path=resumed["path"]), "float32", True)
     assert built.decoder.drafter.exit_layer == 2 and "4 steps" in built.draft
     got = Runner(built.decoder, built.params).generate([1, 2, 3], 12).tokens
     assert got == Runner(ARDecoder(TINY, 64, eos_ids=()), m.params).generate([1, 2, 3], 12).tokens

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from s3djax import cache as kv
-from s3djax import methods
+from s3djax import defaults, methods
 from s3djax.sampling import Sampling
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
@@ -83,7 +83,7 @@ def test_smollm2_lookup_equals_ar_and_commits_more_than_one_token_a_step(smollm2
     ar = methods.build("ar", smollm2, max_cache_len=192)
     expected = Runner(ar.decoder, ar.params).generate(ids, 48).tokens
     built = methods.build("lookup", smollm2, max_cache_len=192)
-    assert built.decoder.drafter.tree.depth == methods.default_lookup_depth() and built.decoder.drafter.ngram == 3
+    assert built.decoder.drafter.tree.depth == defaults.fallback("depth", "lookup") and built.decoder.drafter.ngram == 3
     result = Runner(built.decoder, built.params).generate(ids, 48)
     assert result.tokens == expected
     assert result.stats["mean_accepted_tokens"] > 1.5
@@ -108,10 +108,12 @@ def test_a_step_takes_lookups_chain_only_where_enough_tokens_match_and_it_knows_
     drafter = WithLookup(Fixed(), switch=switch, ngram=3)
     prompt = jnp.asarray([history[:end]], jnp.int32)
     state = (drafter.inner.init_state(None, None, prompt, None, None), jnp.zeros((1, len(history)), jnp.int32).at[
-        0, :end].set(prompt[0]))
-    nodes, valid, _, _, _ = drafter.draft(None, None, None, jnp.asarray([end], jnp.int32),
-                                          jnp.asarray([history[end]], jnp.int32), state, None, Sampling())
+        0, :end].set(prompt[0]), jnp.int32(0))
+    nodes, valid, _, _, state = drafter.draft(None, None, None, jnp.asarray([end], jnp.int32),
+                                              jnp.asarray([history[end]], jnp.int32), state, None, Sampling())
     assert nodes[0].tolist() == expected and valid[0].all()
+    # The run's count of steps lookup drafted (`stats`) takes this one where lookup's chain was used.
+    assert drafter.stats(state) == {"lookup_steps": int(expected != [7, 7])}
 
 
 def test_in_a_batch_each_row_takes_its_own_source():
@@ -119,7 +121,7 @@ def test_in_a_batch_each_row_takes_its_own_source():
     drafter = WithLookup(Fixed(), switch=2, ngram=3)
     history = jnp.asarray([[4, 5, 6, 4, 5, 0, 0], [4, 5, 6, 1, 5, 0, 0]], jnp.int32)
     end = jnp.asarray([4, 4], jnp.int32)
-    state = ((), history.at[:, 4:].set(0))
+    state = ((), history.at[:, 4:].set(0), jnp.int32(0))
     nodes, valid, _, _, _ = drafter.draft(None, None, None, end, history[:, 4], state, None, Sampling())
     assert nodes.tolist() == [[6, 4], [7, 7]] and valid.all()
 
@@ -153,9 +155,9 @@ def test_a_self_spec_step_that_lookup_drafted_leaves_the_threshold():
     inner = {**drafter.threshold.init(), "drafted": jnp.asarray([3], jnp.int32)}
     step = WithLookup(drafter, switch=2)
     end, cache = jnp.asarray([4], jnp.int32), kv.init_cache(LLAMA, 1, 16)
-    nodes, valid, _, _, (inner, _) = step.draft(params, {}, cache, end, history[:, 4], (inner, history.at[:, 4:].set(0)),
-                                                None, Sampling())
-    assert nodes[0].tolist() == [6, 4, 5] and inner["drafted"].tolist() == [0]
+    nodes, valid, _, _, (inner, _, looked_up) = step.draft(params, {}, cache, end, history[:, 4],
+                                                           (inner, history.at[:, 4:].set(0), jnp.int32(0)), None, Sampling())
+    assert nodes[0].tolist() == [6, 4, 5] and inner["drafted"].tolist() == [0] and int(looked_up) == 1
     after = drafter.update(inner, end, jnp.asarray([3]), None, None)
     assert float(after["threshold"]) == float(inner["threshold"]) and int(after["stages"]) == 0
 

@@ -277,7 +277,7 @@ def data(tmp_path_factory):
 
 def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     from s3djax.methods import Options
-    from s3djax.speculative.drafters.s2d_artifact import build_s2d
+    from s3djax.speculative.drafters.s2d_artifact import build as build_s2d
     from tiny import TINY, tiny_config, tiny_model
     from train.s2d import S2DTask, store_thresholds, train_nested
 
@@ -298,18 +298,18 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     assert len(evals[-1]["depth_acc"]) == 2 and np.mean(trains[-3:]) < 0.95 * np.mean(trains[:3])
     store_thresholds(result["path"], {"float32": [0.7]})
     ar = ARDecoder(TINY, 64, eos_ids=())
-    built = build_s2d(m, ar, Options(draft_path=result["path"], max_draft=3), "float32")
+    built = build_s2d(m, ar, Options(draft_path=result["path"], max_draft=3), "float32", True)
     params, draft = built.params
     assert params is m.params and "layers" not in draft and built.warnings == []
     assert len(draft["lora"]) == 2 and draft["thresholds"].tolist() == [pytest.approx(0.7)]
     assert built.decoder.drafter.exits == (1, 2) and "swept for float32" in built.draft
     assert "extra draft memory 0.0 MiB" in built.draft  # adapters only: a few KiB
-    overridden = build_s2d(m, ar, Options(draft_path=result["path"], thresholds="0.2,0"), "float32")
+    overridden = build_s2d(m, ar, Options(draft_path=result["path"], thresholds="0.2,0"), "float32", True)
     assert overridden.params[1]["thresholds"].tolist() == [pytest.approx(0.2)]
     with pytest.raises(UserError, match="train.s2d"):
-        build_s2d(m, ar, Options(), "float32")
+        build_s2d(m, ar, Options(), "float32", True)
     with pytest.raises(UserError, match="not an s3djax s2d nested draft file"):
-        build_s2d(m, ar, Options(draft_path=str(tmp_path / "checkpoints" / ".." / "config.json")), "float32")
+        build_s2d(m, ar, Options(draft_path=str(tmp_path / "checkpoints" / ".." / "config.json")), "float32", True)
 
 
 def test_smollm2_s2d_equals_ar(smollm2):

@@ -22,7 +22,7 @@ from s3djax.sampling import Sampling
 from s3djax.speculative.draft_params import init_draft, load_draft, save_draft
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.drafters.lookup import WithLookup
-from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.s3d import S3DDrafter, default_gamma, default_plan
 from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
 from s3djax.speculative.loop import SpecDecoder
 from s3djax.speculative.tree import TreeSpec
@@ -292,9 +292,9 @@ def test_smollm2_s3d_equals_ar(smollm2):
     for tree, text in cases:
         s3d = methods.build("s3d", smollm2, max_cache_len=128, tree=tree, draft_path="none")
         assert s3d.warnings and "untrained" in s3d.warnings[0]
-        # Unset, gamma is a named tree's depth, else the CPU's measured fastest.
+        # Unset, gamma is a named tree's depth, else the data file's (the suite fixes defaults).
         gamma = s3d.decoder.drafter.gamma
-        fastest = methods.default_gamma(None)
+        fastest = default_gamma(None)
         assert gamma == {"chain": fastest, "tree-16": 4}[tree] and f"gamma {gamma}" in s3d.draft
         ids = encode_prompt(smollm2.tokenizer, text, chat_template=True)
         expected = ar.generate(ids, 40).tokens
@@ -382,13 +382,13 @@ def test_a_draft_file_brings_its_plan_and_silences_the_warning(smollm2, tmp_path
     assert built.warnings == [] and built.decoder.drafter.plan == plan
     assert (built.params[1]["mask_embed"] == draft["mask_embed"]).all()
     overridden = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "d.npz"), skip="8-21")
-    assert overridden.decoder.drafter.plan == methods.default_draft_plan(30)
+    assert overridden.decoder.drafter.plan == default_plan(30)
 
 
 def test_a_corrected_draft_file_drafts_dynamic_trees_without_its_correction(smollm2, tmp_path):
     from s3djax import methods
 
-    draft = corrected(init_draft(smollm2.params, smollm2.config, methods.default_draft_plan(30)), smollm2.config, 1)
+    draft = corrected(init_draft(smollm2.params, smollm2.config, default_plan(30)), smollm2.config, 1)
     save_draft(str(tmp_path / "c.npz"), draft, {"correction_rank": 4})
     built = methods.build("s3d", smollm2, max_cache_len=64, draft_path=str(tmp_path / "c.npz"), tree="tree-8")
     assert "previous-token correction rank 4" in built.draft and built.warnings == []
@@ -412,7 +412,7 @@ def test_a_draft_keeping_every_layer_is_always_right_at_depth_1(config):
 def test_a_full_mode_draft_replaces_the_verifying_layers(smollm2, tmp_path):
     from s3djax import methods, quant
 
-    plan = methods.default_draft_plan(30)
+    plan = default_plan(30)
     tuned = smollm2.params["layers_0"]["attn"]["q"] * 1.01
     # The flat layer layout of files written before the Flax modules: nested on load.
     draft = {**init_draft(smollm2.params, smollm2.config, plan), "layers": {"0": {"q": tuned}}}

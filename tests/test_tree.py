@@ -135,30 +135,35 @@ def test_a_dynamic_tree_is_the_best_closed_set_and_verification_reads_it_as_a_st
 
 
 def test_dynamic_tree_names():
-    from s3djax import methods
+    from s3djax.speculative.drafters import s3d
 
     assert trees.resolve("dynamic-16", 4).num_nodes == 17 and trees.resolve("dynamic-16", 4).depth == 4
     # Unset, gamma is the paper's 4 for a dynamic tree, not the CPU chain's 1 (which holds only 8 candidates).
-    assert methods.default_gamma("dynamic-16") == methods.PAPER_GAMMA
+    assert s3d.default_gamma("dynamic-16") == s3d.PAPER_GAMMA
     with pytest.raises(UserError, match="at least dynamic-4"):
         trees.resolve("dynamic-3", 4)
     with pytest.raises(UserError, match="raise --gamma"):  # at gamma 1 there are only 8 candidates
         trees.resolve("dynamic-8", 1)
 
 
-def test_the_cpu_chain_depths_are_the_ones_measured_fastest_on_its_vector_unit(monkeypatch):
-    # AVX-512's cheaper verify pays for deeper drafts; AVX2, or no kernel at all, keeps the shallower chains.
+def test_with_nothing_measured_the_defaults_are_the_data_files_on_every_vector_unit(monkeypatch):
+    # No table of vector units in code: S3DJAX_DEFAULTS=fixed (the suite's) takes configs/defaults.yaml by backend,
+    # whatever the CPU; a named tree keeps its own depth and a dynamic one the paper's.
     from cpu_kernels import matmul
-    from s3djax import methods
+    from s3djax import built, defaults
+    from s3djax.options import Options
     from s3djax.speculative import draft_weights
+    from s3djax.speculative.drafters import s3d
 
     chain = types.SimpleNamespace(tree=trees.resolve("chain", 4))  # a drafter's chain, all with_lookup reads
-    for isa, gamma, lookup in (("avx512", 4, 4), ("avx2", 2, 2), (None, 2, 2)):
+    seen = set()
+    for isa in ("avx512", "avx2", None):
         monkeypatch.setattr(matmul, "isa", lambda isa=isa: isa)
-        assert methods.default_gamma(None) == methods.default_gamma("chain") == gamma
-        assert methods.default_gamma("tree-16") == 4  # a named tree keeps its own depth
-        assert methods.default_lookup_depth() == lookup
-        assert draft_weights.default_mode() == "int8"  # measured on the CPU alone: every vector unit takes it
-        # S3D's 28-layer draft gives way to lookup only on 2-token matches where that was measured (AVX-512).
-        switch = {m: methods.with_lookup(chain, methods.Options(), m)[0].switch for m in ("s3d", "kangaroo")}
-        assert switch == {"s3d": 2 if isa == "avx512" else 1, "kangaroo": 1}, (isa, switch)
+        assert s3d.default_gamma("tree-16") == 4 and s3d.default_gamma("dynamic-16") == s3d.PAPER_GAMMA
+        switch = {m: built.with_lookup(chain, Options(), m)[0].switch for m in ("s3d", "kangaroo")}
+        seen.add((s3d.default_gamma(None), defaults.fallback("depth", "lookup"), draft_weights.default_mode(),
+                  tuple(sorted(switch.items()))))
+    assert seen == {(4, 2, "int8", (("kangaroo", 1), ("s3d", 2)))}
+    # A flag overrides the file; --lookup 0 never gives way.
+    assert built.with_lookup(chain, Options(lookup=3), "s3d")[0].switch == 3
+    assert built.with_lookup(chain, Options(lookup=0), "s3d")[0] is chain

@@ -98,7 +98,7 @@ class KangarooTask:
     def init_trainable(self, m, cfg: TrainConfig, key):
         # Layer l's attention: the layer the adapter stands in for, so training starts from a sensible map.
         # Copies: the trained state is donated each step, and must not alias the frozen params.
-        def load(path):  # build_kangaroo's own reading: nested, and checked against this model
+        def load(path):  # the kangaroo builder's own reading: nested, and checked against this model
             adapter, meta = load_artifact(path, jnp.float32, kind="Kangaroo adapter")
             return check_adapter(adapter, m.config, path), meta
 

@@ -25,9 +25,9 @@ from train.trainable import assemble, init_trainable, warm_start
 
 
 def draft_plan(cfg: TrainConfig, num_layers: int) -> SkipPlan:
-    from s3djax.methods import default_draft_plan
+    from s3djax.speculative.drafters.s3d import default_plan
 
-    return SkipPlan.parse(cfg.skip, num_layers) if cfg.skip else default_draft_plan(num_layers)
+    return SkipPlan.parse(cfg.skip, num_layers) if cfg.skip else default_plan(num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

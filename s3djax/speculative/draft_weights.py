@@ -17,19 +17,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from s3djax import device, quant
+from s3djax import defaults, quant
 from s3djax.errors import UserError
 from s3djax.model import layer_key, with_layers
 from s3djax.skip_plan import SkipPlan
 
 MODES = ("none", "int8")
-# Measured fastest on the 2-core Zen 3 with the CPU matmul kernel
-# (benchmarks/results/draft-weights-cpu-2026-11-26.md). No GPU has measured it: the target's own weights.
-FASTEST = {"cpu": "int8"}
-
-
 def default_mode() -> str:
-    return device.fastest(FASTEST, "none")
+    return defaults.fallback("draft_weights")
 
 
 def check_mode(mode: str) -> None:

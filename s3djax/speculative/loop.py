@@ -120,7 +120,7 @@ class SpecDecoder:
         drafted = drafted[drafted >= 0]
         return {**acceptance(log[log >= 0], self.drafter.tree.depth),
                 "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist(),
-                "paused_steps": int(state["paused"])}
+                "paused_steps": int(state["paused"]), **self.drafter.stats(state["drafter"])}
 
 
 def acceptance(accepted, depth: int) -> dict:

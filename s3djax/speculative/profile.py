@@ -19,21 +19,28 @@ from s3djax.speculative.tree import TreeSpec
 from s3djax.speculative.verify import verify
 
 
-def ms_per_step(step, params, cache, repeats: int):
-    """Run `step(params, cache) -> (cache, tokens)` `repeats` times in one fori_loop, carrying the cache as
-    the real loop does (in place, no copies), and folding the tokens into the carry so nothing is elided.
-    params go in as arguments: closed over, a 7B model's weights would be baked into the executable."""
+def compiled_loop(step, params, carry, repeats: int):
+    """`step(params, carry) -> (carry, tokens)` run `repeats` times in one jitted fori_loop, carrying the cache as
+    the real loop does (in place, no copies), the tokens folded into the carry so nothing is elided; compiled and
+    run once. Returns (run(params, carry) -> (carry, acc), the carry after that run). params go in as arguments:
+    closed over, a 7B model's weights would be baked into the executable."""
 
-    def run(params, cache):
-        def body(_, carry):
-            cache, acc = carry
-            cache, tokens = step(params, cache)
-            return cache, acc + tokens.sum()
-        return jax.lax.fori_loop(0, repeats, body, (cache, jnp.int32(0)))
+    def run(params, carry):
+        def body(_, state):
+            carry, acc = state
+            carry, tokens = step(params, carry)
+            return carry, acc + tokens.sum()
+        return jax.lax.fori_loop(0, repeats, body, (carry, jnp.int32(0)))
 
     run = jax.jit(run, donate_argnums=1, compiler_options=compile_options.for_step(params))  # as the Runner compiles
-    cache, acc = run(params, cache)
+    carry, acc = run(params, carry)
     jax.block_until_ready(acc)
+    return run, carry
+
+
+def ms_per_step(step, params, cache, repeats: int):
+    """Milliseconds a step takes (`compiled_loop`'s loop, the median of 3 runs), and the carry after."""
+    run, cache = compiled_loop(step, params, cache, repeats)
     samples = []
     for _ in range(3):
         t = time.perf_counter()

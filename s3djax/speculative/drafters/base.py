@@ -28,6 +28,10 @@ class Drafter:
     def init_state(self, params, draft, prompt, lengths, cache):
         return ()
 
+    def stats(self, state) -> dict:
+        """What the drafter counted over a run, from its final state."""
+        return {}
+
     def tree_arrays(self, state, batch: int):
         """The tree this step drafted: a static tree's constants (a dynamic tree's drafter overrides this)."""
         return self.tree.arrays(batch)

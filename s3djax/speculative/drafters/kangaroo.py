@@ -204,7 +204,7 @@ def check_adapter(adapter: dict, config: ModelConfig, path: str) -> dict:
     return adapter
 
 
-def build_kangaroo(m, ar, opts, dtype: str):
+def build(m, ar, opts, dtype: str, measure: bool):
     """`--method kangaroo`: the adapter from --draft (or the model's shipped one), its exit layer, eta."""
     from s3djax.loading import DTYPES
     from s3djax.speculative.draft_params import load_artifact

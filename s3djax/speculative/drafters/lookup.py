@@ -23,6 +23,8 @@ from s3djax.sampling import Sampling
 from s3djax.speculative.drafters.base import Drafter
 from s3djax.speculative.tree import TreeSpec
 
+NGRAM = 3  # the longest n-gram matched where --ngram is not given
+
 
 def propose(history, end, ngram: int, depth: int):
     """(tokens [B, depth], valid [B, depth], n [B]): what followed the latest match of history[end-n+1 .. end]
@@ -118,14 +120,15 @@ class WithLookup(Drafter):
         return self.inner.scratch_nodes
 
     def init_state(self, params, draft, prompt, lengths, cache):
+        # The third part counts the steps lookup drafted (the model's draft skipped), for `stats`.
         return (self.inner.init_state(params, draft, prompt, lengths, cache),
-                init_history(prompt, cache, self.tree.depth))
+                init_history(prompt, cache, self.tree.depth), jnp.int32(0))
 
     def tree_arrays(self, state, batch: int):
         return self.inner.tree_arrays(state[0], batch)
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
-        inner, history = state
+        inner, history, looked_up = state
         history, looked, known, n = look_up(history, length, last, self.ngram, self.tree.depth)
         use = (n >= self.switch) & known.all(1)
         masses = point_masses(looked, self.config.vocab_size, sampling)
@@ -151,15 +154,15 @@ class WithLookup(Drafter):
         nodes, valid = jnp.where(use[:, None], looked, nodes), jnp.where(use[:, None], known, valid)
         if not sampling.greedy:
             child_probs = jnp.where(use[:, None, None], masses, child_probs)
-        return nodes, valid, child_probs, cache, (inner, history)
+        return nodes, valid, child_probs, cache, (inner, history, looked_up + jnp.all(use))
 
     def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
         *out, inner = self.inner.verify(params, draft, cache, length, last, nodes, valid, child_probs, state[0], key,
                                         sampling)
-        return (*out, (inner, state[1]))
+        return (*out, (inner, *state[1:]))
 
     def update(self, state, length, accepted, path, emitted):
-        return self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted)
+        return self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted), state[2]
 
     @property
     def pause(self):
@@ -168,5 +171,29 @@ class WithLookup(Drafter):
 
         def pause(params, draft, cache, length, last, state):
             return (self.inner.pause(params, draft, cache, length, last, state[0]),
-                    LookupDrafter.pause(self, params, draft, cache, length, last, state[1]))
+                    LookupDrafter.pause(self, params, draft, cache, length, last, state[1]), state[2])
         return pause
+
+    def stats(self, state) -> dict:
+        return {"lookup_steps": int(state[2])}
+
+
+def build(m, ar, opts, dtype: str, measure: bool):
+    """`--method lookup`: n-grams from --ngram down to 1, a chain of --max-draft (chosen on this machine where
+    unset)."""
+    from s3djax.built import Built, chosen_depth
+    from s3djax.errors import UserError
+    from s3djax.speculative.loop import SpecDecoder
+
+    if opts.draft_path not in (None, "none"):
+        raise UserError(f"lookup drafts from the prompt and output, with no draft file (got {opts.draft_path})")
+    if opts.tree not in (None, "chain"):
+        raise UserError(f"lookup drafts one continuation, so its tree is the chain, not {opts.tree}")
+    ngram = NGRAM if opts.ngram is None else opts.ngram
+    if ngram < 1:
+        raise UserError(f"--ngram must be at least 1, got {ngram}")
+    chosen = chosen_depth("lookup", m, ar, opts, dtype, measure, gives_way=False) if opts.max_draft is None else None
+    tree = TreeSpec.chain(opts.max_draft or chosen.depth)
+    return Built(SpecDecoder.create(ar, LookupDrafter(m.config, tree, ngram)), (m.params, {}), [],
+                 f"prompt lookup, n-grams {ngram} to 1, max draft {tree.depth}" + (f" ({chosen.how})" if chosen else ""),
+                 chosen)

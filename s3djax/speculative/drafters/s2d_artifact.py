@@ -64,7 +64,7 @@ def extra_bytes(params, draft) -> int:
     return sum(leaf.nbytes for leaf in draft_weights.own_leaves(params, draft))
 
 
-def build_s2d(m, ar, opts, dtype: str):
+def build(m, ar, opts, dtype: str, measure: bool):
     """`methods.build`'s s2d: the nested draft (opts.draft_path), its thresholds for this target, and the
     target itself: the loaded model, or with opts.target_from's full-mode S3D layers in place."""
     from s3djax.loading import DTYPES

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax import cache as kv
-from s3djax import quant
+from s3djax import defaults, quant
 from s3djax.config import ModelConfig
 from s3djax.model import Decoder
 from s3djax.sampling import Sampling, draws, process_logits, top_k
@@ -146,3 +146,75 @@ class S3DDrafter(Drafter):
                 if not sampling.greedy:
                     valid = valid.at[:, kids].set(jnp.isfinite(drawn[:, slot, ranks[kids]]))
         return nodes[:, 1:], valid[:, 1:], q  # the root is no draft; q is per node, root first
+
+
+PAPER_GAMMA = 4  # a dynamic tree's depth: that of the static trees it stands in for
+
+
+def default_gamma(tree: str | None) -> int:
+    """gamma when none is given and the speed model does not choose it (`s3djax.defaults`): a named tree's own depth,
+    a dynamic tree the paper's, else the data file's."""
+    from s3djax.speculative import tree as trees
+
+    if tree and tree.startswith("dynamic-"):
+        return PAPER_GAMMA
+    return trees.named_depth(tree) or defaults.fallback("depth", "s3d")
+
+
+def default_plan(num_layers: int) -> SkipPlan:
+    """S3D's default draft: skip about half the layers symmetrically around the middle (8-21 of 30)."""
+    return SkipPlan.symmetric_middle(num_layers, num_layers // 2 - 1)
+
+
+def build(m, ar, opts, dtype: str, measure: bool):
+    """`--method s3d`: the draft file (or the untrained mask token), its plan, gamma (chosen on this machine where
+    unset), the tree, in-verify drafting, the draft's vocabulary and weights."""
+    from s3djax.built import Built, about_file, chosen_depth, finetuned_target
+    from s3djax.errors import UserError
+    from s3djax.loading import DTYPES
+    from s3djax.speculative import tree as trees
+    from s3djax.speculative.draft_params import init_draft, load_draft
+    from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
+    from s3djax.speculative.loop import SpecDecoder
+
+    if opts.in_verify not in (None, "on", "off"):
+        raise UserError(f"--in-verify must be on or off, got {opts.in_verify}")
+    in_verify = (defaults.fallback("in_verify") if opts.in_verify is None else opts.in_verify) == "on"
+    chosen = None
+    if opts.gamma is None and opts.tree in (None, "chain") and not in_verify:
+        chosen = chosen_depth("s3d", m, ar, opts, dtype, measure)
+    gamma = opts.gamma if opts.gamma is not None else chosen.depth if chosen else default_gamma(opts.tree)
+    if gamma < 1:
+        raise UserError(f"--gamma must be at least 1, got {gamma}")
+    path = opts.draft_path
+    draft, meta = load_draft(path, m.config, DTYPES[dtype]) if path not in (None, "none") else (None, {})
+    plan = SkipPlan.parse(opts.skip, m.config.num_layers) if opts.skip else None
+    if plan is None:  # a trained draft brings the plan it was trained with
+        plan = SkipPlan.parse(meta["skip"], m.config.num_layers) if meta.get("skip") else \
+            default_plan(m.config.num_layers)
+    warnings, params = [], m.params
+    if draft is None:
+        draft = init_draft(m.params, m.config, plan)
+        warnings.append("no trained draft: using an untrained mask token, so acceptance will be low")
+    elif "layers" in draft:  # a full-mode draft fine-tuned the kept layers: they verify too
+        params = finetuned_target(m, draft.pop("layers"), dtype)
+        warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
+                        "target, not the original weights")
+    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, opts.draft_weights, DTYPES[dtype],
+                                 plan=plan)
+    if in_verify and opts.tree not in (None, "chain"):
+        raise UserError(f"--in-verify drafts a chain, so s3d's tree must be the chain, not {opts.tree}")
+    kind = InVerifyS3DDrafter if in_verify else S3DDrafter
+    drafter = kind(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
+    if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
+        draft = {k: v for k, v in draft.items() if k != "correction"}
+        warnings.append(f"{opts.tree} drafts without the draft's previous-token correction, which needs a "
+                        "static tree")
+    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings,
+                 f"draft {about_file(path, meta)}, skip {plan.spec()}, gamma {gamma}"
+                 + (f" ({chosen.how})" if chosen else "")
+                 + (", drafting inside the verify pass" if in_verify else "")
+                 + draft_vocab.about(meta)
+                 + draft_weights.about(draft, params)
+                 + (f", previous-token correction rank {meta['correction_rank']}" if "correction" in draft else ""),
+                 chosen)

@@ -116,3 +116,31 @@ def load_plan(path: str, num_layers: int) -> tuple[SkipPlan, dict]:
     if max_draft is not None and not (isinstance(max_draft, int) and max_draft >= 1):
         raise UserError(f"{path}: max_draft must be a whole number of at least 1, got {max_draft!r}")
     return SkipPlan.parse(spec, num_layers), record
+
+
+def build(m, ar, opts, dtype: str, measure: bool):
+    """`--method self-spec`: the searched plan (--skip, or the plan file), its tree and max draft."""
+    from s3djax.built import Built
+    from s3djax.loading import DTYPES
+    from s3djax.speculative import draft_vocab
+    from s3djax.speculative.drafters.chain import about_spine, spine
+    from s3djax.speculative.drafters.s3d import default_plan
+    from s3djax.speculative.loop import SpecDecoder
+
+    warnings, meta = [], {}
+    if opts.skip:
+        plan, about = SkipPlan.parse(opts.skip, m.config.num_layers), "--skip"
+    elif opts.draft_path not in (None, "none"):
+        (plan, meta), about = load_plan(opts.draft_path, m.config.num_layers), os.path.relpath(opts.draft_path)
+    else:
+        plan, about = default_plan(m.config.num_layers), "the default plan"
+        warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
+    # The plan file's tree and max draft where it records them (the shipped plan's: measured fastest), else the
+    # paper's chain of 12.
+    tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
+    drafter = SelfSpecDrafter(m.config, plan, tree)
+    draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, opts.draft_weights, DTYPES[dtype],
+                                 plan=plan)
+    return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
+                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
+                 + draft_weights.about(draft, m.params))

@@ -1,0 +1,87 @@
+"""`python -m infer.tune`: choose each method's chain depth on this machine, from its step times and the speed model.
+
+    python -m infer.tune [--model smollm2-135m] [--methods s3d,lookup] [--dtype float32] [--quant int8-all] [--again]
+
+A method run with its depth unset does this once by itself (`s3djax.defaults`); this command does it on purpose,
+re-measures with --again, and prints each depth's step times and predicted speed against `ar`, greedy and sampled
+(temperature 0.7, top-p 0.9, where the record has it). --out also writes the table as DIR/tune.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+from s3djax.cli import Parser, run
+
+METHODS = ("s3d", "lookup")
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m infer.tune", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
+    p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quant", choices=("none", "int8", "int8-all"))
+    p.add_argument("--again", action="store_true", help="measure even where step times are cached")
+    p.add_argument("--out", help="folder for tune.md")
+    args = p.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    p.check(args, methods=bool(args.methods) and set(args.methods) <= set(METHODS))
+    return args
+
+
+def table(method: str, choices: dict) -> list[str]:
+    """Markdown rows: each depth's step times and predicted speed, the chosen depths in bold."""
+    costs = next(c.costs for c in choices.values() if c.costs)
+    lines = [f"| {method} depth | draft ms | verify ms | " + " | ".join(f"{name}: predicted vs `ar`" for name in choices)
+             + " |", "| --- | --- | --- |" + " --- |" * len(choices)]
+    for g in sorted(costs["verify"]):
+        cells = []
+        for c in choices.values():
+            p = (c.predicted or {}).get(g)
+            cells.append("-" if p is None else f"**{p:.2f}x**" if g == c.depth else f"{p:.2f}x")
+        lines.append(f"| {g} | {costs['draft'][g] * 1e3:.1f} | {costs['verify'][g] * 1e3:.1f} | " + " | ".join(cells)
+                     + " |")
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from s3djax import defaults, device
+    from s3djax.generator import Generator
+    from s3djax.sampling import GREEDY, Sampling
+
+    defaults.mode()  # a bad S3DJAX_DEFAULTS fails here, in one line
+    gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, quant=args.quant)
+    lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
+             + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
+             f"- date: {datetime.date.today().isoformat()}",
+             f"- step times: the fastest of {defaults.ROUNDS} runs of {defaults.REPEATS} steps, at {defaults.CONTEXT} "
+             f"tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
+             f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)", ""]
+    for method in args.methods:
+        choices = {}
+        for name, sampling in (("greedy", GREEDY), ("sampled", Sampling(temperature=0.7, top_p=0.9))):
+            # Measured (again, where asked) for the first; the second, whose steps are the same, reads the cache.
+            os.environ[defaults.ENV] = "again" if args.again and name == "greedy" else "measure"
+            choices[name] = gen.session(method, sampling=sampling).built.chosen
+        found = {name: c for name, c in choices.items() if c is not None and c.costs}
+        if not found:
+            why = {c.how for c in choices.values() if c is not None} or {"a depth the data file fixes"}
+            lines += [f"{method}: not chosen here, {'; '.join(sorted(why))}", ""]
+            continue
+        ar_ms = next(iter(found.values())).costs["ar"] * 1e3
+        lines += [f"{method}: `ar` step {ar_ms:.1f} ms; chosen depth "
+                  + ", ".join(f"{name} {c.depth}" for name, c in found.items()), ""] + table(method, found) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    run(main)

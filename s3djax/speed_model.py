@@ -1,0 +1,33 @@
+"""The speed model (the S3D paper's Eq. 10-12): what a chain depth gains, from what it commits and what it costs.
+
+A speculative step at chain depth g commits tau(g) tokens on average and costs its draft and its verify of g + 1
+rows; `ar` commits one token a step. So the method's speed against `ar` is
+
+    speedup(g) = tau(g) * ar_s / (model_drafts(g) * draft_s(g) + verify_s(g))
+
+where model_drafts(g) is the share of steps whose model draft ran (a chain that gives way to prompt lookup skips
+it). tau and model_drafts come from decoding held-out prompts (`train.acceptance`); the step times from the machine
+at hand (`s3djax.defaults`).
+"""
+
+from __future__ import annotations
+
+
+def step_s(costs: dict, g: int, model_drafts: float) -> float:
+    """Seconds a step at depth g costs: costs = {"draft": {g: s}, "verify": {g: s}}."""
+    return model_drafts * costs["draft"][g] + costs["verify"][g]
+
+
+def speedups(record: dict, costs: dict) -> dict[int, float]:
+    """{g: predicted speed against `ar`} for every depth both the record ({g: {tau, model_drafts}}) and the
+    costs ({"ar": s, "draft": {g: s}, "verify": {g: s}}) hold."""
+    return {g: r["tau"] * costs["ar"] / step_s(costs, g, r["model_drafts"])
+            for g, r in sorted(record.items()) if g in costs["draft"] and g in costs["verify"]}
+
+
+def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
+    """(the depth the model predicts fastest, every depth's predicted speedup); the shallower depth on a tie."""
+    predicted = speedups(record, costs)
+    if not predicted:
+        raise ValueError("no depth has both a record and a cost")
+    return max(predicted, key=lambda g: (predicted[g], -g)), predicted

@@ -1,0 +1,152 @@
+"""Defaults chosen on the machine at hand: the speed model's choice, the cached step times, the data file."""
+
+import dataclasses
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from s3djax import defaults, methods, speed_model, user_cache
+from s3djax.decode import Runner
+from s3djax.errors import UserError
+from tests.tiny import tiny_model
+
+RECORD = {1: {"tau": 1.8, "model_drafts": 1.0}, 2: {"tau": 2.4, "model_drafts": 1.0},
+          3: {"tau": 2.7, "model_drafts": 1.0}, 4: {"tau": 2.85, "model_drafts": 1.0}}
+
+
+def costs(verify: dict, draft: float = 0.004, ar: float = 0.010) -> dict:
+    return {"ar": ar, "draft": {g: draft * (1 + g / 8) for g in verify}, "verify": verify}
+
+
+def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
+    # A flat verify (a memory-bound device): deeper pays. A verify that grows with its rows (a CPU whose multi-row
+    # forward costs more): a shallow chain. Worked by hand: 2.4 * 10 / (4 * 1.25 + 10.5) = 1.548 at g = 2 against
+    # 1.8 * 10 / (4.5 + 10) = 1.241, 2.7 * 10 / (5.5 + 14) = 1.385 and 2.85 * 10 / (6 + 18) = 1.188.
+    flat = costs({1: 0.010, 2: 0.010, 3: 0.0102, 4: 0.0104})
+    steep = costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018})
+    assert speed_model.best_depth(RECORD, flat)[0] == 4
+    g, predicted = speed_model.best_depth(RECORD, steep)
+    assert g == 2 and predicted[2] == pytest.approx(2.4 * 0.010 / (0.005 + 0.0105))
+    assert max(predicted.values()) == predicted[2] and set(predicted) == {1, 2, 3, 4}
+    # A step that skips the model's draft (lookup drafted it) costs only its verify.
+    half = {g: {**r, "model_drafts": 0.5} for g, r in RECORD.items()}
+    assert speed_model.speedups(half, steep)[2] == pytest.approx(2.4 * 0.010 / (0.5 * 0.005 + 0.0105))
+    # A tie goes to the shallower depth; depths without a cost are not candidates.
+    tie = {1: {"tau": 2.0, "model_drafts": 0.0}, 2: {"tau": 2.0, "model_drafts": 0.0}, 7: RECORD[4]}
+    assert speed_model.best_depth(tie, costs({1: 0.01, 2: 0.01}))[0] == 1
+    with pytest.raises(ValueError):
+        speed_model.best_depth(RECORD, costs({9: 0.01}))
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A user's cache and an acceptance record for a made-up model; measuring returns `table` and counts calls."""
+    monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(defaults.ENV, "measure")
+    path = tmp_path / "acceptance.json"
+    path.write_text(json.dumps({"s3d": {"artifact": None, "sha256": None, "lookup_switch": 0,
+                                        "greedy": {str(g): r for g, r in RECORD.items()}}}))
+    monkeypatch.setattr(defaults, "acceptance_path", lambda model: str(path))
+    state = types.SimpleNamespace(calls=0, table=costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}))
+
+    def measure(method, build, depths):
+        state.calls += 1
+        assert depths == [1, 2, 3, 4]
+        return state.table
+    monkeypatch.setattr(defaults, "measure_costs", measure)
+    return state
+
+
+def fake_build(decoder="decoder A", shape=(2, 2)):
+    return lambda g: types.SimpleNamespace(decoder=decoder, params={"w": np.zeros(shape, np.float32)})
+
+
+def choose(build=None, **kw):
+    return defaults.depth("s3d", build or fake_build(), model="m", draft_path=None, greedy=True, **kw)
+
+
+def test_step_times_are_measured_once_per_machine_and_setting_and_cached(machine, monkeypatch, capsys):
+    first = choose()
+    assert first.depth == 2 and "chosen on this machine" in first.how and machine.calls == 1
+    assert "measuring s3d's step times" in capsys.readouterr().err
+    assert choose().depth == 2 and machine.calls == 1  # from the cache, silently
+    assert capsys.readouterr().err == ""
+    # Another decoder or other weights' shapes are another setting: measured again.
+    choose(fake_build("decoder B"))
+    choose(fake_build(shape=(2, 3)))
+    assert machine.calls == 3
+    # Where the measurement is not allowed (a check before the weights are read), the cache or the data file.
+    assert choose(fake_build("decoder C"), measure=False).costs is None
+    assert choose(measure=False).depth == 2 and machine.calls == 3
+    # S3DJAX_DEFAULTS=again measures anew; =fixed takes the data file without measuring.
+    machine.table = costs({1: 0.010, 2: 0.010, 3: 0.0102, 4: 0.0104})
+    monkeypatch.setenv(defaults.ENV, "again")
+    assert choose().depth == 4 and machine.calls == 4
+    monkeypatch.setenv(defaults.ENV, "fixed")
+    assert choose().depth == defaults.fallback("depth", "s3d") and machine.calls == 4
+    monkeypatch.setenv(defaults.ENV, "sometimes")
+    with pytest.raises(UserError, match="S3DJAX_DEFAULTS"):
+        choose()
+
+
+def test_a_corrupt_or_foreign_cache_is_ignored_with_one_line(machine, capsys):
+    file = user_cache.path(defaults.TABLE)
+    for text in ("{not json", json.dumps({"k": {"breakeven": 0.3}}), json.dumps([1, 2])):
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        with open(file, "w") as f:
+            f.write(text)
+        calls = machine.calls
+        assert choose().depth == 2 and machine.calls == calls + 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len([line for line in err if line.startswith("note: ignoring")]) == 1, err
+    with open(file) as f:  # rewritten whole, as a table of step times
+        assert all(set(v) >= {"ar", "draft", "verify", "device"} for v in json.load(f).values())
+
+
+def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(machine, tmp_path):
+    assert choose().depth == 2
+    # Sampled rows were not recorded, nor the lookup switch 2, nor a draft file with a hash.
+    assert defaults.depth("s3d", fake_build(), model="m", draft_path=None, greedy=False).costs is None
+    assert choose(lookup_switch=2).costs is None
+    draft = tmp_path / "draft.npz"
+    draft.write_bytes(b"one draft")
+    record = json.loads(open(defaults.acceptance_path("m")).read())
+    record["s3d"]["sha256"] = defaults.file_sha256(str(draft))
+    with open(defaults.acceptance_path("m"), "w") as f:
+        json.dump(record, f)
+    assert defaults.depth("s3d", fake_build(), model="m", draft_path=str(draft), greedy=True).depth == 2
+    draft.write_bytes(b"another draft")
+    assert defaults.depth("s3d", fake_build(), model="m", draft_path=str(draft), greedy=True).costs is None
+
+
+def test_measuring_times_each_depths_draft_and_verify_on_a_real_model():
+    m = tiny_model()
+    m = dataclasses.replace(m, tokenizer=types.SimpleNamespace(pad_token_id=0))
+
+    def build(g):
+        return methods.build("s3d", m, max_cache_len=defaults.CACHE_LEN, draft_path="none", gamma=g, lookup=0)
+    measured = defaults.measure_costs("s3d", build, [1, 3])
+    assert set(measured) == {"ar", "draft", "verify"} and set(measured["draft"]) == set(measured["verify"]) == {1, 3}
+    assert all(0 < s < 1 for s in [measured["ar"], *measured["draft"].values(), *measured["verify"].values()])
+
+
+@pytest.mark.slow
+def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(smollm2, tmp_path, monkeypatch):
+    # The shipped record (configs/acceptance/smollm2-135m.json) with step times that make 6 and 5 fastest.
+    monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
+    monkeypatch.setenv(defaults.ENV, "measure")
+    target = {"s3d": 6, "lookup": 5}
+    monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths: {
+        "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths}})
+    from s3djax.tokenizer import encode_prompt
+
+    ids = encode_prompt(smollm2.tokenizer, "List three facts about the Moon, then repeat them.", chat_template=True)
+    ar = methods.build("ar", smollm2, max_cache_len=256)
+    expected = Runner(ar.decoder, ar.params).generate(ids, 40).tokens
+    for method, depth in target.items():
+        built = methods.build(method, smollm2, max_cache_len=256)
+        assert built.decoder.drafter.tree.depth == depth and "chosen on this machine" in built.draft, built.draft
+        assert Runner(built.decoder, built.params).generate(ids, 40).tokens == expected, method
