@@ -68,7 +68,7 @@ def test_tiny_runs_every_piece_and_a_rerun_skips_them(tmp_path):
     assert os.path.basename(folder) + "/summary.md" in names and not any("/checkpoints" in n for n in names)
 
     again = suite("--out", out, "--tiny")
-    assert again.returncode == 0 and "0 of 12 pieces to run" in again.stderr
+    assert again.returncode == 0 and "0 of 13 pieces to run" in again.stderr
 
 
 def test_what_is_missing_is_one_line_before_anything_runs(tmp_path):
