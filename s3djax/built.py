@@ -90,5 +90,9 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
         options = {**dataclasses.asdict(opts), **defaults.depth_options(method, g), "lookup": 0 if gives_way else None}
         return methods.build(method, m, max_cache_len=defaults.CACHE_LEN, dtype=dtype, measure=False, **options)
 
-    return defaults.depth(method, build_at, model=m.name, draft_path=opts.draft_path, greedy=ar.sampling.greedy,
+    # What build_at's steps depend on besides the depth, read off its inputs rather than built to be read.
+    setting = {"config": repr(m.config), "matmul": m.matmul, "dtype": dtype,
+               "weights": [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(m.params)],
+               "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("gamma", "max_draft", "lookup")}}
+    return defaults.depth(method, build_at, setting, model=m.name, draft_path=opts.draft_path, greedy=ar.sampling.greedy,
                           lookup_switch=lookup_switch(opts, method) if gives_way else 0, measure=measure)

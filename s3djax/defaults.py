@@ -109,11 +109,10 @@ def acceptance_record(model: str, method: str, draft_path: str | None, greedy: b
 
 # ------------------------------------------------------------------------------ what each depth costs here
 
-def _key(method: str, decoder, params) -> str:
-    """The machine (CPU or GPU, jax), the method's decoder at depth 1 (model shape, plan, draft settings) and the
-    weights' shapes and dtypes: what the step times depend on."""
-    shapes = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(params) if hasattr(a, "shape")]
-    text = json.dumps([device.describe(), method, repr(decoder), shapes])
+def _key(method: str, setting: dict) -> str:
+    """The machine (CPU or GPU, jax), the method and its `setting` (model, weights' shapes and dtypes, options but the
+    depth): what the step times depend on."""
+    text = json.dumps([device.describe(), method, setting], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -165,11 +164,10 @@ def measure_costs(method: str, build, depths: list[int]) -> dict:
     return costs
 
 
-def step_costs(method: str, build, depths: list[int], *, measure: bool) -> dict | None:
+def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool) -> dict | None:
     """The cached step times for this machine and setting, else measured now (one line says so) where `measure`;
     None where neither."""
-    first = build(depths[0])
-    k = _key(method, first.decoder, first.params)
+    k = _key(method, setting)
     table = user_cache.read_table(TABLE, _valid)
     if k in table and mode() != "again":
         return _as_costs(table[k])
@@ -191,18 +189,19 @@ class Choice:
     costs: dict | None = None            # step times measured here
 
 
-def depth(method: str, build, *, model: str, draft_path: str | None, greedy: bool, lookup_switch: int = 0,
-          measure: bool = True) -> Choice:
+def depth(method: str, build, setting: dict, *, model: str, draft_path: str | None, greedy: bool,
+          lookup_switch: int = 0, measure: bool = True) -> Choice:
     """The chain depth for `method`: the speed model's best where a record and this machine's step times exist
     (measuring them once where `measure`), else the data file's. `build(g)`: the method built at depth g with
-    everything else as it will run, its model draft always running."""
+    everything else as it will run, its model draft always running; `setting`: what that build depends on besides
+    the depth, the step times' cache key."""
     fixed = fallback("depth", method)
     if mode() == "fixed":
         return Choice(fixed, f"configs/defaults.yaml: {ENV}=fixed")
     record = acceptance_record(model, method, draft_path, greedy, lookup_switch)
     if record is None:
         return Choice(fixed, "configs/defaults.yaml: no acceptance record for this draft")
-    costs = step_costs(method, build, sorted(record), measure=measure)
+    costs = step_costs(method, build, sorted(record), setting, measure=measure)
     if costs is None:
         return Choice(fixed, "configs/defaults.yaml: step times not measured yet")
     g, predicted = speed_model.best_depth(record, costs)

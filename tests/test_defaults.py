@@ -5,7 +5,6 @@ import json
 import os
 import types
 
-import numpy as np
 import pytest
 
 from s3djax import defaults, methods, speed_model, user_cache
@@ -60,12 +59,14 @@ def machine(tmp_path, monkeypatch):
     return state
 
 
-def fake_build(decoder="decoder A", shape=(2, 2)):
-    return lambda g: types.SimpleNamespace(decoder=decoder, params={"w": np.zeros(shape, np.float32)})
+def setting(config="model A", shape=(2, 2)):
+    """What a build depends on besides the depth (`built.chosen_depth` reads it off the model and options)."""
+    return {"config": config, "weights": [(shape, "float32")]}
 
 
-def choose(build=None, **kw):
-    return defaults.depth("s3d", build or fake_build(), model="m", draft_path=None, greedy=True, **kw)
+def choose(at=None, **kw):
+    # Measuring is the fixture's, so the build is never called.
+    return defaults.depth("s3d", lambda g: None, at or setting(), model="m", draft_path=None, greedy=True, **kw)
 
 
 def test_step_times_are_measured_once_per_machine_and_setting_and_cached(machine, monkeypatch, capsys):
@@ -74,12 +75,12 @@ def test_step_times_are_measured_once_per_machine_and_setting_and_cached(machine
     assert "measuring s3d's step times" in capsys.readouterr().err
     assert choose().depth == 2 and machine.calls == 1  # from the cache, silently
     assert capsys.readouterr().err == ""
-    # Another decoder or other weights' shapes are another setting: measured again.
-    choose(fake_build("decoder B"))
-    choose(fake_build(shape=(2, 3)))
+    # Another model or other weights' shapes are another setting: measured again.
+    choose(setting("model B"))
+    choose(setting(shape=(2, 3)))
     assert machine.calls == 3
     # Where the measurement is not allowed (a check before the weights are read), the cache or the data file.
-    assert choose(fake_build("decoder C"), measure=False).costs is None
+    assert choose(setting("model C"), measure=False).costs is None
     assert choose(measure=False).depth == 2 and machine.calls == 3
     # S3DJAX_DEFAULTS=again measures anew; =fixed takes the data file without measuring.
     machine.table = costs({1: 0.010, 2: 0.010, 3: 0.0102, 4: 0.0104})
@@ -109,7 +110,7 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_line(machine, capsys):
 def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(machine, tmp_path):
     assert choose().depth == 2
     # Sampled rows were not recorded, nor the lookup switch 2, nor a draft file with a hash.
-    assert defaults.depth("s3d", fake_build(), model="m", draft_path=None, greedy=False).costs is None
+    assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=None, greedy=False).costs is None
     assert choose(lookup_switch=2).costs is None
     draft = tmp_path / "draft.npz"
     draft.write_bytes(b"one draft")
@@ -117,9 +118,9 @@ def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(mach
     record["s3d"]["sha256"] = defaults.file_sha256(str(draft))
     with open(defaults.acceptance_path("m"), "w") as f:
         json.dump(record, f)
-    assert defaults.depth("s3d", fake_build(), model="m", draft_path=str(draft), greedy=True).depth == 2
+    assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=str(draft), greedy=True).depth == 2
     draft.write_bytes(b"another draft")
-    assert defaults.depth("s3d", fake_build(), model="m", draft_path=str(draft), greedy=True).costs is None
+    assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=str(draft), greedy=True).costs is None
 
 
 def test_measuring_times_each_depths_draft_and_verify_on_a_real_model():
