@@ -16,16 +16,10 @@ from s3djax.methods import METHODS
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
-def parse_args(argv=None):
-    p = Parser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+def add_model_flags(p: Parser) -> None:
+    """The model, the method and its options, the cache and the sampling: the flags `infer.chat` shares."""
     p.add_argument("--model", default="smollm2-135m", help="registry name, .gguf file or checkpoint folder")
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="prompt text (default: --prompt-file, else stdin, else a built-in prompt)")
-    source.add_argument("--prompt-file", help="read the prompt from this file")
-    source.add_argument("--batch-file", help="decode every prompt of this file as one batch: a prompt a line, or JSON "
-                        "lines each with a \"prompt\" string; prints each answer (with --json, a JSON object a line)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-cache-len", type=int, default=2048)
@@ -38,8 +32,29 @@ def parse_args(argv=None):
                    help="pallas: the tree-attention kernel for decode, draft and verify steps (interpret mode on CPU: "
                    "slow); default: pallas on a GPU, xla elsewhere")
     p.add_method_options()
-    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_sampling()
+
+
+def generator(args):
+    """The Generator the model flags describe, its weights not yet read (so bad options fail first)."""
+    from s3djax import methods
+    from s3djax.generator import Generator
+
+    return Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
+                     max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
+                     load=False, **methods.options(args, args.method))
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="prompt text (default: --prompt-file, else stdin, else a built-in prompt)")
+    source.add_argument("--prompt-file", help="read the prompt from this file")
+    source.add_argument("--batch-file", help="decode every prompt of this file as one batch: a prompt a line, or JSON "
+                        "lines each with a \"prompt\" string; prints each answer (with --json, a JSON object a line)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_model_flags(p)
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON object instead of streaming")
     p.add_argument("--profile", action="store_true",
                    help="speculative methods: also time the draft and verify steps apart (after the run)")
@@ -92,14 +107,9 @@ def read_batch(path: str) -> list[str]:
 
 
 def main_batch(args):
-    from s3djax import methods
-    from s3djax.generator import Generator
-
     prompts = read_batch(args.batch_file)
     sampling = cli.sampling(args)
-    gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
-                    max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
-                    load=False, **methods.options(args, args.method))
+    gen = generator(args)
     for prompt in prompts:  # every prompt is checked before a weight is read
         gen.check(prompt, chat_template=not args.no_chat_template, sampling=sampling)
     print(f"decoding {len(prompts)} prompts...", file=sys.stderr, flush=True)
@@ -119,13 +129,8 @@ def main(argv=None):
     if args.batch_file:
         return main_batch(args)
     prompt = read_prompt(args)
-    from s3djax import methods
-    from s3djax.generator import Generator
-
     sampling = cli.sampling(args)
-    gen = Generator(args.model, method=args.method, checkpoint=args.checkpoint, dtype=args.dtype,
-                    max_cache_len=args.max_cache_len, quant=args.quant, matmul=args.matmul, attention=args.attention,
-                    load=False, **methods.options(args, args.method))
+    gen = generator(args)
     ids = gen.check(prompt, chat_template=not args.no_chat_template, sampling=sampling)
     session = gen.session(sampling=sampling)
     for warning in session.warnings:

@@ -70,6 +70,9 @@ def peer(llm, eos_ids=()) -> Callable[[list[int], int], dict]:
     stop = set(eos_ids) | {llm.token_eos()}
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> dict:
+        # `generate` keeps the cached prefix that the new prompt shares, even with reset=True: a repeated prompt
+        # would skip its evaluation. Forgetting the tokens first makes every run evaluate the whole prompt, as ours do.
+        llm.reset()
         tokens, start = [], time.perf_counter()
         first = None
         for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,

@@ -71,5 +71,14 @@ def causal(slots, num_new: int) -> PrefixTreeMask:
 
 
 def causal_mask(slots, num_new: int, max_len: int):
-    """`causal` as a dense [B, T, S] mask (prefill, whose T is the whole prompt bucket)."""
+    """`causal` as a dense [B, T, S] mask."""
     return causal(slots, num_new).dense(max_len)
+
+
+class PromptMask(PrefixTreeMask):
+    """`causal` for a chunk of prompt (a prefill): hundreds of rows, which attention reads in XLA's key blocks up
+    to the occupied prefix; the decode-time kernels are shaped for a step's few rows."""
+
+
+def prompt_chunk(slots, num_new: int) -> PromptMask:
+    return PromptMask(*causal(slots, num_new))

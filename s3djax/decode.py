@@ -26,6 +26,9 @@ from s3djax.sampling import Sampling, sample
 from s3djax.skip_plan import SkipPlan
 
 MIN_BUCKET = 16
+# A prompt is prefilled in chunks of this many tokens (the last one bucketed), so a long prompt's activations and
+# attention scores stay bounded whatever its length, and a chat's new turn continues the cache it left.
+PREFILL_CHUNK = 512
 # Decoders are frozen, hashable values, so one executable per (decoder, step, argument types) serves every
 # Runner in the process: building the same method again (another Runner, a Generator session, a benchmark
 # round) neither traces nor compiles. Tracing a SmolLM2 step takes seconds even when XLA's persistent cache
@@ -47,6 +50,11 @@ class ARDecoder:
     # committed length: a step never has to shrink near the end, and output past the cap is dropped.
     slack: int = 0
 
+    @property
+    def buffer_len(self) -> int:
+        """Cache slots: the cap and the slack."""
+        return self.max_cache_len + self.slack
+
     def check_prompt(self, n: int) -> None:
         if n == 0:
             raise UserError("the prompt is empty")
@@ -60,19 +68,36 @@ class ARDecoder:
     def _logits(self, params, hidden):
         return Decoder(self.config).apply({"params": params}, hidden, method="logits")
 
-    def start(self, params, prompt, lengths, key):
-        """Prefill right-padded prompts [B, P] (real lengths [B]) and sample each row's first token."""
-        b, p = prompt.shape
-        cache = kv.init_cache(self.config, b, self.max_cache_len + self.slack, jnp.dtype(self.cache_dtype))
-        slots = jnp.zeros((b,), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        hidden, cache = self._step(params, prompt, positions, cache, slots, kv.causal_mask(slots, p, kv.cache_len(cache)))
-        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    def empty(self, params, batch: int) -> dict:
+        """What a prefill carries from one chunk of prompt to the next: an empty cache."""
+        return {"cache": kv.init_cache(self.config, batch, self.buffer_len, jnp.dtype(self.cache_dtype))}
+
+    def resume(self, state) -> dict:
+        """The carry of a finished decode state (its cache), for a prefill that continues its text (a chat's turn)."""
+        return {"cache": state["cache"]}
+
+    def prefill(self, params, carry, tokens, start, count):
+        """One chunk of prompt, tokens [B, C] at slots start [B], count [B] of them real: (the carry with their K/V,
+        the last real token's final-normed hidden state [B, D])."""
+        c = tokens.shape[1]
+        positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+        hidden, cache = self._step(params, tokens, positions, carry["cache"], start, kv.prompt_chunk(start, c))
+        return {**carry, "cache": cache}, last_real(hidden, count)
+
+    def begin(self, params, carry, hidden, lengths, key):
+        """The decode state after a prefill: each row's first token sampled from `hidden`, lengths [B] committed."""
+        b = hidden.shape[0]
         key, sub = jax.random.split(key)
-        first = sample(self._logits(params, last), sub, self.sampling)
-        out = jnp.full((b, self.max_cache_len + self.slack), self.pad_id, jnp.int32).at[:, 0].set(first)
-        return dict(tokens=out, cache=cache, step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
+        first = sample(self._logits(params, hidden), sub, self.sampling)
+        out = jnp.full((b, self.buffer_len), self.pad_id, jnp.int32).at[:, 0].set(first)
+        return dict(tokens=out, cache=carry["cache"], step=jnp.int32(1), last=first, length=lengths.astype(jnp.int32),
                     done=self.is_eos(first), key=key)
+
+    def start(self, params, prompt, lengths, key):
+        """Prefill right-padded prompts [B, P] (real lengths [B]) as one chunk and sample each row's first token."""
+        zeros = jnp.zeros_like(lengths, jnp.int32)
+        carry, hidden = self.prefill(params, self.empty(params, prompt.shape[0]), prompt, zeros, lengths)
+        return self.begin(params, carry, hidden, lengths, key)
 
     def is_eos(self, tokens):
         return jnp.isin(tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32))
@@ -99,6 +124,11 @@ class ARDecoder:
                     done=s["done"] | self.is_eos(nxt) | (length >= self.max_cache_len), key=key)
 
 
+def last_real(hidden, count):
+    """hidden [B, C, D] of a padded chunk: each row's last real token's [B, D] (count [B] real tokens)."""
+    return jnp.take_along_axis(hidden, (count - 1)[:, None, None], axis=1)[:, 0]
+
+
 def bucket(length: int, max_len: int) -> int:
     """Prefill width: the next power of two (at least MIN_BUCKET), capped at the cache length."""
     return min(max_len, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
@@ -119,6 +149,7 @@ class Result:
     ttft_s: float              # prefill and first token, compile excluded
     decode_s: float            # the loop after the first token
     stats: dict = dataclasses.field(default_factory=dict)  # method statistics (speculative: tau, alpha_k)
+    state: dict | None = None  # the final decode state, cache included, where asked to keep it (a chat's next turn)
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,29 +170,64 @@ class Runner:
             _EXECUTABLES.move_to_end(key)
             return _EXECUTABLES[key], 0.0
         t = time.perf_counter()
-        donate = (1,) if name == "decode" else ()  # the state, cache included, is updated in place
+        donate = (1,) if name in ("decode", "prefill") else ()  # the state or carry, cache included, is updated in place
         _EXECUTABLES[key] = jax.jit(fn, donate_argnums=donate).lower(self.params, *args).compile(options)
         if len(_EXECUTABLES) > MAX_EXECUTABLES:
             _EXECUTABLES.popitem(last=False)
         return _EXECUTABLES[key], time.perf_counter() - t
 
-    def _prompt_args(self, prompt_ids: list[int], seed: int):
+    def _chunks(self, ids: list[int], start: int) -> list[tuple]:
+        """ids[start:] as prefill chunks at slots start..: (tokens [1, C], start [1], count [1]) each, the last one
+        bucketed and never reaching past the cache's buffer (a write there would be clamped onto earlier slots)."""
+        d, chunks = self.decoder, []
+        for at in range(start, len(ids), PREFILL_CHUNK):
+            piece = ids[at:at + PREFILL_CHUNK]
+            width = min(len(piece) if len(piece) == PREFILL_CHUNK else bucket(len(piece), PREFILL_CHUNK),
+                        d.buffer_len - at)
+            tokens = np.full((1, width), d.pad_id, np.int32)
+            tokens[0, :len(piece)] = piece
+            chunks.append((jnp.asarray(tokens), jnp.asarray([at], jnp.int32), jnp.asarray([len(piece)], jnp.int32)))
+        return chunks
+
+    def _prefiller(self, prompt_ids: list[int], seed: int, prior: tuple[dict, int] | None = None):
+        """(run() -> the decode state after `prompt_ids`, compile seconds): `prior` = (a finished state, n) continues
+        that state's cache, whose first n slots hold prompt_ids[:n], from slot n on. Everything is compiled before
+        `run` is called, so that timing it times the prefill alone."""
         d = self.decoder
-        n = len(prompt_ids)
-        d.check_prompt(n)
-        prompt = np.full((1, bucket(n, d.max_cache_len)), d.pad_id, np.int32)
-        prompt[0, :n] = prompt_ids
-        return jnp.asarray(prompt), jnp.asarray([n], jnp.int32), jax.random.key(seed)
+        d.check_prompt(len(prompt_ids))
+        start = 0 if prior is None else prior[1]
+        if not 0 <= start < len(prompt_ids):
+            raise ValueError(f"a continued prefill needs new tokens past the {start} already cached")
+        chunks, key = self._chunks(prompt_ids, start), jax.random.key(seed)
+        lengths = jnp.asarray([len(prompt_ids)], jnp.int32)
+        empty, compile_s = (None, 0.0) if prior else self._compiled("empty", lambda params: d.empty(params, 1))
+        carry = jax.eval_shape(lambda: d.empty(self.params, 1)) if prior is None else \
+            jax.eval_shape(d.resume, prior[0])
+        steps = []
+        for chunk in chunks:
+            step, c = self._compiled("prefill", d.prefill, carry, *chunk)
+            carry, hidden = jax.eval_shape(d.prefill, self.params, carry, *chunk)
+            steps.append(step)
+            compile_s += c
+        begin, c = self._compiled("begin", d.begin, carry, hidden, lengths, key)
+
+        def run():
+            carry = empty(self.params) if prior is None else d.resume(prior[0])
+            for step, chunk in zip(steps, chunks):
+                carry, hidden = step(self.params, carry, *chunk)
+            return begin(self.params, carry, hidden, lengths, key)
+        return run, compile_s + c
 
     def prefill(self, prompt_ids: list[int], seed: int = 0):
         """The decode state right after the prompt (for profiling steps on a real cache)."""
-        args = self._prompt_args(prompt_ids, seed)
-        return self._compiled("start", self.decoder.start, *args)[0](self.params, *args)
+        return self._prefiller(prompt_ids, seed)[0]()
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
-                 on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16) -> Result:
-        """Generate for one prompt; `on_tokens(all_new_tokens_so_far)` is called after each chunk."""
-        steps = self.iterate(prompt_ids, max_new_tokens, seed, chunk if on_tokens else None)
+                 on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16,
+                 prior: tuple[dict, int] | None = None, keep: bool = False) -> Result:
+        """Generate for one prompt; `on_tokens(all_new_tokens_so_far)` is called after each chunk. `prior` and `keep`:
+        see `iterate`."""
+        steps = self.iterate(prompt_ids, max_new_tokens, seed, chunk if on_tokens else None, prior, keep)
         while True:
             try:
                 tokens = next(steps)
@@ -180,11 +246,13 @@ class Runner:
             except StopIteration as finished:
                 return finished.value
 
-    def iterate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
-                chunk: int | None = 16) -> Iterator[list[int]]:
+    def iterate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0, chunk: int | None = 16,
+                prior: tuple[dict, int] | None = None, keep: bool = False) -> Iterator[list[int]]:
         """Yields all new tokens so far after the first and after each `chunk` decode steps, and returns
-        the Result; chunk None decodes in one call and yields nothing (no host sync between steps)."""
-        steps = self._run([prompt_ids], max_new_tokens, seed, chunk)
+        the Result; chunk None decodes in one call and yields nothing (no host sync between steps).
+        prior = (a kept Result's state, n): continue that cache, whose first n slots hold prompt_ids[:n] (a chat's
+        next turn prefills only the rest); keep: the Result keeps its final state for that."""
+        steps = self._run([prompt_ids], max_new_tokens, seed, chunk, prior, keep)
         while True:
             try:
                 rows = next(steps)
@@ -192,14 +260,14 @@ class Runner:
                 return finished.value[0]
             yield rows[0]
 
-    def _run(self, prompts: list[list[int]], max_new_tokens: int, seed: int, chunk: int | None):
+    def _run(self, prompts: list[list[int]], max_new_tokens: int, seed: int, chunk: int | None,
+             prior: tuple[dict, int] | None = None, keep: bool = False):
         d = self.decoder
         budgets = [min(max_new_tokens, d.max_cache_len - len(ids)) for ids in prompts]
-        args = [self._prompt_args(ids, seed + i) for i, ids in enumerate(prompts)]
-        starts = [self._compiled("start", d.start, *a) for a in args]  # one per prompt bucket, before the clock
+        starts = [self._prefiller(ids, seed + i, prior) for i, ids in enumerate(prompts)]  # compiled before the clock
         compile_s = sum(c for _, c in starts)
         t = time.perf_counter()
-        state = stack_rows([start(self.params, *a) for (start, _), a in zip(starts, args)])
+        state = stack_rows([run() for run, _ in starts])
         state = {**state, **{k: jnp.asarray(v) for k, v in self.overrides.items()}}  # fresh: the loop donates them
         eos = set(getattr(d, "ar", d).eos_ids)
 
@@ -227,7 +295,7 @@ class Runner:
         # A speculative step may emit past the budget; the extra tokens are dropped.
         stats = d.stats(state) if hasattr(d, "stats") else {}
         return [Result(tokens=tokens, prompt_tokens=len(ids), compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
-                       stats=stats) for tokens, ids in zip(new(step), prompts)]
+                       stats=stats, state=state if keep else None) for tokens, ids in zip(new(step), prompts)]
 
 
 def stack_rows(states: list[dict]) -> dict:

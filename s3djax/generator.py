@@ -13,7 +13,7 @@ compiled steps.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 from s3djax import device, methods, quant
 from s3djax.built import Built
@@ -24,7 +24,9 @@ from s3djax.loading import LoadedModel, ModelSource, open_model
 from s3djax.registry import DEFAULT_MODEL
 from s3djax.sampling import GREEDY, Sampling
 from s3djax.speculative import gate
-from s3djax.tokenizer import encode_prompt
+from s3djax.tokenizer import encode_chat, encode_prompt
+
+OVERFLOWS = ("stop", "slide")  # what a chat does when its conversation outgrows the cache
 
 
 @dataclasses.dataclass
@@ -97,8 +99,9 @@ class Stream:
         print(stream.output.tokens_per_s)
     """
 
-    def __init__(self, gen: "Generator", session: Session, ids: list[int], steps: Iterator[list[int]]):
-        self._gen, self._session, self._ids, self._steps = gen, session, ids, steps
+    def __init__(self, gen: "Generator", session: Session, ids: list[int], steps: Iterator[list[int]],
+                 on_done: Callable[[Result], None] | None = None):
+        self._gen, self._session, self._ids, self._steps, self._on_done = gen, session, ids, steps, on_done
         self.output: Output | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -107,6 +110,8 @@ class Stream:
             try:
                 tokens = next(self._steps)
             except StopIteration as finished:
+                if self._on_done:
+                    self._on_done(finished.value)
                 self.output = self._gen._output(self._session, finished.value)
                 return
             text = tokenizer.decode(tokens, skip_special_tokens=True)
@@ -246,6 +251,14 @@ class Generator:
         session, ids = self._start(prompt, max_new_tokens, method, chat_template, sampling, options)
         return Stream(self, session, ids, session.runner.iterate(ids, max_new_tokens, seed, chunk))
 
+    def chat(self, method: str | None = None, *, sampling: Sampling = GREEDY, system: str | None = None,
+             overflow: str = "stop", **options) -> "Chat":
+        """A conversation that keeps its cache between turns (`Chat`), decoded by one method."""
+        if overflow not in OVERFLOWS:
+            raise UserError(f"unknown overflow {overflow!r}; choose from {', '.join(OVERFLOWS)}")
+        self.check(method=method, sampling=sampling, **options)
+        return Chat(self, self.session(method, sampling=sampling, **options), system, overflow)
+
     def _start(self, prompt, max_new_tokens, method, chat_template, sampling, options, defaults: bool = True):
         if max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -260,3 +273,88 @@ class Generator:
                       compile_s=result.compile_s, method=session.method, device=device.describe(),
                       quant=self.model.quant, param_bytes=quant.param_bytes(session.built.params),
                       peak_device_bytes=device.memory_bytes("peak_bytes_in_use"), stats=result.stats)
+
+
+class Chat:
+    """A conversation whose turns continue one KV cache, as llama.cpp's and Hugging Face's chats reuse theirs.
+
+        chat = gen.chat(method="s3d", system="Answer briefly.")
+        print(chat.send("Name a prime.").text)
+        for piece in chat.stream("And the next one?"):
+            print(piece, end="")
+
+    Each turn renders the whole conversation with the chat template and prefills only the ids past the longest
+    prefix its cache already holds (the new turn, and any of the last answer that the template renders otherwise),
+    so greedy output is exactly that of the whole conversation decoded from scratch. When the conversation no
+    longer fits the cache with room for the answer, overflow "stop" raises a one-line `UserError` (`reset`, or a
+    larger max_cache_len, goes on), and "slide" drops the oldest exchanges until it fits, then prefills the rest
+    anew. An answer that fills the cache stops there (its stats say so).
+    """
+
+    def __init__(self, gen: Generator, session: Session, system: str | None, overflow: str):
+        self._gen, self.session, self.system, self.overflow = gen, session, system, overflow
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (its messages and cache)."""
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
+        self._state, self._cached = None, []  # the last turn's final state, and the ids its cache's slots hold
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens of the conversation whose K/V the cache holds."""
+        return len(self._cached)
+
+    def send(self, text: str, max_new_tokens: int = 256, *, seed: int = 0) -> Output:
+        """The answer to one more user message (the conversation keeps both)."""
+        ids, prior, finish = self._turn(text, max_new_tokens)
+        result = self.session.runner.generate(ids, max_new_tokens, seed, prior=prior, keep=True)
+        finish(result)
+        return self._gen._output(self.session, result)
+
+    def stream(self, text: str, max_new_tokens: int = 256, *, seed: int = 0, chunk: int = 16) -> Stream:
+        """`send`, iterated for the text as it comes (`Generator.stream`)."""
+        ids, prior, finish = self._turn(text, max_new_tokens)
+        steps = self.session.runner.iterate(ids, max_new_tokens, seed, chunk, prior, keep=True)
+        return Stream(self._gen, self.session, ids, steps, on_done=finish)
+
+    def _turn(self, text: str, max_new_tokens: int):
+        if max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        if not text.strip():
+            raise UserError("the message is empty")
+        messages = self.messages + [{"role": "user", "content": text}]
+        ids = encode_chat(self._gen.tokenizer, messages)
+        cap = self._gen.max_cache_len
+        while len(ids) + max_new_tokens > cap and self.overflow == "slide" and self._exchanges(messages) > 1:
+            messages = self._drop_oldest(messages)
+            ids = encode_chat(self._gen.tokenizer, messages)
+        if len(ids) >= cap or (len(ids) + max_new_tokens > cap and self.overflow == "stop"):
+            raise UserError(f"the conversation has {len(ids)} tokens and the answer may take {max_new_tokens} more, "
+                            f"but the cache holds {cap}: /reset, raise --max-cache-len, or --overflow slide")
+        reuse = next((i for i, (a, b) in enumerate(zip(self._cached, ids)) if a != b), min(len(self._cached), len(ids)))
+        reuse = min(reuse, len(ids) - 1)  # the last prompt token's forward gives the first answer token
+        prior = (self._state, reuse) if self._state is not None and reuse > 0 else None
+        self._state = None  # a continued prefill consumes the old cache in place
+
+        def finish(result: Result) -> None:
+            committed = int(result.state["length"][0])
+            self._state, self._cached = result.state, (ids + result.tokens)[:min(committed, len(ids) + len(result.tokens) - 1)]
+            result.state = None
+            self.messages = messages + [{"role": "assistant", "content": self._gen.tokenizer.decode(
+                result.tokens, skip_special_tokens=True)}]
+            result.stats = {**result.stats, "reused_tokens": prior[1] if prior else 0,
+                            "conversation_tokens": len(ids) + len(result.tokens),
+                            "cache_full": committed >= cap}
+        return ids, prior, finish
+
+    @staticmethod
+    def _exchanges(messages: list[dict]) -> int:
+        return sum(m["role"] == "user" for m in messages)
+
+    @staticmethod
+    def _drop_oldest(messages: list[dict]) -> list[dict]:
+        """Without the oldest user message and the answers up to the next one (a system message stays)."""
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        after = next(i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user")
+        return messages[:first] + messages[after:]

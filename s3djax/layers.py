@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from s3djax import cache as kv
 from s3djax import quant
-from s3djax.cache import PrefixTreeMask
+from s3djax.cache import PrefixTreeMask, PromptMask
 from s3djax.config import ModelConfig
 
 # A large finite negative instead of -inf: a fully masked row (padding) then gives a uniform
@@ -86,6 +86,8 @@ def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False)
     Returns [B, T, H*D].
     """
     b, t, h, d = q.shape
+    if isinstance(mask, PromptMask):
+        return _xla_prefix_attend(q, k, v, mask)
     if isinstance(mask, PrefixTreeMask):
         if impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2]:
             from pallas_kernels.tree_attention import tree_attention

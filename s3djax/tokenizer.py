@@ -60,6 +60,16 @@ def from_gguf(gf):
 def encode_prompt(tokenizer, text: str, chat_template: bool) -> list[int]:
     """Token ids of a user prompt, rendered with the chat template (system prompt included) unless asked not to."""
     if chat_template and tokenizer.chat_template:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ({"role", "content"} messages) rendered with the chat template, ready for the
+    assistant's next message (a template's default system prompt included)."""
+    if not tokenizer.chat_template:
+        from s3djax.errors import UserError
+
+        raise UserError("this model's tokenizer has no chat template, so it cannot hold a conversation")
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)

@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 # The modules `make test-quick` leaves out (pytest -m "not slow"): each runs whole decoders of SmolLM2, trains,
 # samples thousands of times for a chi-square test, or compiles for a GPU. `make test`, CI's command, runs them all.
-SLOW_MODULES = {"test_benchmark", "test_cpu_matmul", "test_distill", "test_gate", "test_generator", "test_gpu_suite",
+SLOW_MODULES = {"test_benchmark", "test_chat", "test_cpu_matmul", "test_distill", "test_gate", "test_generator", "test_gpu_suite",
                 "test_h100_compile", "test_kangaroo", "test_lookup", "test_lossless_sampling", "test_notebook",
                 "test_objective", "test_optimized_compile", "test_parity_hf", "test_peers", "test_prepare_data",
                 "test_s2d", "test_search_skip", "test_self_spec", "test_smollm2", "test_spec", "test_train"}

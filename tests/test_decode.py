@@ -111,19 +111,19 @@ def test_compiles_once_across_prompt_lengths_and_token_budgets(tiny_params):
     # The Runner's own executables (small ops elsewhere compile on first use, so XLA's count would vary).
     decode._EXECUTABLES.clear()  # the process shares them: another test may have compiled these
     runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
-    assert runner.generate([1, 2, 3], 5).compile_s > 0  # compiles start (bucket 16) and decode
-    assert len(decode._EXECUTABLES) == 2
+    assert runner.generate([1, 2, 3], 5).compile_s > 0  # compiles the empty cache, a prefill chunk (16), begin, decode
+    assert len(decode._EXECUTABLES) == 4
     runner.generate(list(range(1, 12)), 9, on_tokens=lambda t: None, chunk=3)  # same bucket, streamed
     runner.generate([4, 5], 2, seed=3)
-    assert len(decode._EXECUTABLES) == 2, "a prompt in the same bucket or another token budget recompiled"
+    assert len(decode._EXECUTABLES) == 4, "a prompt in the same bucket or another token budget recompiled"
     runner.generate(list(range(1, 20)), 4)            # bucket 32: only the prefill compiles
-    assert len(decode._EXECUTABLES) == 3
+    assert len(decode._EXECUTABLES) == 5
     # Another Runner of an equal decoder reuses them; weights of another dtype need their own.
     again = Runner(ARDecoder(TINY, 64, eos_ids=()), jax.tree.map(jnp.copy, tiny_params)).generate([1, 2, 3], 5)
-    assert again.compile_s == 0.0 and len(decode._EXECUTABLES) == 3
+    assert again.compile_s == 0.0 and len(decode._EXECUTABLES) == 5
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params)
     assert Runner(ARDecoder(TINY, 64, eos_ids=()), bf16).generate([1], 2).compile_s > 0
-    assert len(decode._EXECUTABLES) == 5
+    assert len(decode._EXECUTABLES) == 9
     assert bucket(19, 64) == 32 and bucket(3, 64) == 16 and bucket(60, 64) == 64
 
 
@@ -162,3 +162,29 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2, smollm2_hf):
                                   pad_token_id=2)[0, len(ids):].tolist()
     assert ours == ref
     assert "Everest" in smollm2.tokenizer.decode(ours)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_decodes_as_the_whole_sequence(tiny_params, monkeypatch):
+    prompt = [(7 * i + 3) % 97 for i in range(45)]
+    want = naive_greedy(tiny_params, TINY, prompt, 10)
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 16)  # chunks of 16, 16 and 13 (bucketed to 16)
+    runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
+    assert [int(c[2][0]) for c in runner._chunks(prompt, 0)] == [16, 16, 13]
+    assert runner.generate(prompt, 10).tokens == want
+    # Near the cache's end a chunk is cut to the slots left: a write past them would land on earlier slots.
+    assert [c[0].shape[1] for c in Runner(ARDecoder(TINY, 38, eos_ids=()), tiny_params)._chunks(prompt[:37], 0)] == \
+        [16, 16, 6]
+
+
+def test_a_continued_prefill_reuses_the_cache_and_equals_the_sequence_from_scratch(tiny_params, monkeypatch):
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 16)
+    runner = Runner(ARDecoder(TINY, 96, eos_ids=()), tiny_params)
+    first = runner.generate([5, 6, 7, 8, 9], 12, keep=True)
+    # The next turn: the first turn's text (whose last token the cache does not hold yet) and 30 new tokens.
+    history = [5, 6, 7, 8, 9] + first.tokens
+    turn = history + [(11 * i + 2) % 97 for i in range(30)]
+    reused = int(first.state["length"][0])
+    assert reused == len(history) - 1
+    got = runner.generate(turn, 10, prior=(first.state, reused))
+    assert got.tokens == naive_greedy(tiny_params, TINY, turn, 10) == runner.generate(turn, 10).tokens
+    assert first.tokens != got.tokens  # the turns differ: the comparison is not between constants

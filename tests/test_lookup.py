@@ -107,7 +107,7 @@ def test_a_step_takes_lookups_chain_only_where_enough_tokens_match_and_it_knows_
                                                                                          expected):
     drafter = WithLookup(Fixed(), switch=switch, ngram=3)
     prompt = jnp.asarray([history[:end]], jnp.int32)
-    state = (drafter.inner.init_state(None, None, prompt, None, None), jnp.zeros((1, len(history)), jnp.int32).at[
+    state = (drafter.inner.init_state(None, None, None), jnp.zeros((1, len(history)), jnp.int32).at[
         0, :end].set(prompt[0]), jnp.int32(0))
     nodes, valid, _, _, state = drafter.draft(None, None, None, jnp.asarray([end], jnp.int32),
                                               jnp.asarray([history[end]], jnp.int32), state, None, Sampling())

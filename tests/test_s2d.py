@@ -196,7 +196,8 @@ def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_ar
     spec = s2d_decoder(LLAMA, "chain", lookup)
     drafter, n = spec.drafter.inner if lookup else spec.drafter, len(EXITS)
     draft_step = jax.jit(drafter.draft, static_argnums=7)
-    prefill = jax.jit(drafter.init_state)
+    prefill = jax.jit(lambda params, draft, tokens, cache: drafter.extend(
+        params, draft, drafter.init_state(params, draft, cache), tokens, jnp.zeros((1,), jnp.int32), cache))
     holes_then_deeper = 0
     for prompt, steps in ((PROMPTS[1], 25), (PROMPTS[2], 30)):
         _, state = generate(spec, (params, draft), prompt, steps)
@@ -204,7 +205,7 @@ def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_ar
         # The previous step's block 0 recomputed everything up to its root at full depth.
         last = int(state["accepted_log"][int(state["iteration"]) - 1])
         done = length - last - 1
-        ref = prefill(params, draft, d["history"][:, :done + 1], None, state["cache"])
+        ref = prefill(params, draft, d["history"][:, :done + 1], state["cache"])
         for layer, want in zip(d["cache"], ref["cache"]):
             for name in ("k", "v"):
                 np.testing.assert_allclose(layer[name][:, :done + 1], want[name][:, :done + 1], atol=2e-5)

@@ -54,8 +54,7 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
     """Seconds per drafting step and per paused step, in the runner's compiled loop on `prompt_ids`' cache, from the
     stretches the cache has room for; None where it has none for either."""
     d, params = runner.decoder, runner.params
-    args = runner._prompt_args(prompt_ids, 0)
-    state = runner._compiled("start", d.start, *args)[0](params, *args)
+    state = runner.prefill(prompt_ids)
     decode = runner._compiled("decode", d.decode, state, jnp.int32(0))[0]
     best = {}
     for i, (mode, tokens) in enumerate(STRETCHES):

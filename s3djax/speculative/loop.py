@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3djax.decode import ARDecoder
+from s3djax.decode import ARDecoder, last_real
 from s3djax.errors import UserError
 
 # The pause gate: the latest verify step's weight in the running acceptance (drafts accepted per step), and how many
@@ -49,22 +49,46 @@ class SpecDecoder:
     def pad_id(self):
         return self.ar.pad_id
 
+    @property
+    def buffer_len(self) -> int:
+        return self.ar.buffer_len
+
     def check_prompt(self, n: int) -> None:
         self.ar.check_prompt(n)
 
-    def start(self, params, prompt, lengths, key):
-        if prompt.shape[0] != 1:
+    def empty(self, params, batch: int) -> dict:
+        if batch != 1:
             raise UserError("speculative decoding runs one sequence at a time")
         target, draft = params
-        state = self.ar.start(target, prompt, lengths, key)
+        carry = self.ar.empty(target, batch)
+        return {**carry, "drafter": self.drafter.init_state(target, draft, carry["cache"])}
+
+    def resume(self, state) -> dict:
+        return {**self.ar.resume(state), "drafter": self.drafter.resume(state["drafter"])}
+
+    def prefill(self, params, carry, tokens, start, count):
+        target, draft = params
+        if self.drafter.prefill is not None:  # the drafter shares the target's prefill
+            hidden, cache, dstate = self.drafter.prefill(target, draft, carry["drafter"], carry["cache"], tokens, start)
+            return {**carry, "cache": cache, "drafter": dstate}, last_real(hidden, count)
+        out, hidden = self.ar.prefill(target, carry, tokens, start, count)
+        return {**out, "drafter": self.drafter.extend(target, draft, carry["drafter"], tokens, start, out["cache"])}, hidden
+
+    def begin(self, params, carry, hidden, lengths, key):
+        state = self.ar.begin(params[0], carry, hidden, lengths, key)
         # Per verify step, the drafts accepted and the depth drafted (-1: no step yet); at most one step per token.
         log = jnp.full(self.ar.max_cache_len, -1, jnp.int32)
-        return {**state, "drafter": self.drafter.init_state(target, draft, prompt, lengths, state["cache"]),
-                "accepted_log": log, "drafted_log": log, "iteration": jnp.int32(0),
+        return {**state, "drafter": carry["drafter"], "accepted_log": log, "drafted_log": log,
+                "iteration": jnp.int32(0),
                 # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
                 # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused.
                 "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
                 "paused": jnp.int32(0)}
+
+    def start(self, params, prompt, lengths, key):
+        zeros = jnp.zeros_like(lengths, jnp.int32)
+        carry, hidden = self.prefill(params, self.empty(params, prompt.shape[0]), prompt, zeros, lengths)
+        return self.begin(params, carry, hidden, lengths, key)
 
     def decode(self, params, state, stop_at):
         target, draft = params

@@ -3,8 +3,10 @@
 The interface (every drafter is a frozen dataclass, so it is a static jit argument; `Drafter` has
 the defaults):
 - `tree`: the static TreeSpec it fills, and `gamma`, how many positions ahead it looks;
-- `init_state(params, draft, prompt, lengths, cache)`: the drafter's own loop state (thresholds,
-  its own caches), a pytree, built after the target's prefill of the prompt into `cache`;
+- `init_state(params, draft, cache)`: the drafter's own loop state (thresholds, its own caches), a pytree,
+  before any prompt; `extend(params, draft, state, tokens, start, cache)` takes it past each chunk of prompt
+  the target prefilled into `cache`, and `resume(state)` readies a finished run's state for a continued
+  text (a chat's next turn);
 - `draft(params, draft, cache, length, last, state, key, sampling) -> (node_tokens [B, N-1], valid [B, N-1],
   child_probs, cache, state)`: propose tokens for the tree's non-root nodes. `valid` masks nodes left
   unproposed (adaptive draft lengths are masked, never recompiled). Writes into cache slots >= length

@@ -15,6 +15,10 @@ class Drafter:
     # drafts nothing (the target's own step on `last` at slot `length`); None where it cannot, and then every step
     # drafts (the loop's pause gate, `s3djax.speculative.loop`).
     pause = None
+    # `prefill(params, draft, state, cache, tokens, start) -> (final-normed hidden [B, C, D], cache, state)`, where a
+    # drafter's state after a chunk of prompt comes from the target's own work on it (Kangaroo's exit states): the
+    # target's prefill of the chunk and `extend` in one pass. None: the target prefills, then `extend`.
+    prefill = None
 
     def unchanged(self, params, draft, cache, length, last, state):
         """`pause` for a drafter whose state a step without a draft leaves as it is."""
@@ -25,8 +29,18 @@ class Drafter:
         """Cache slots a step writes past the committed length: the draft block's or the tree's."""
         return max(self.tree.num_nodes, self.gamma)
 
-    def init_state(self, params, draft, prompt, lengths, cache):
+    def init_state(self, params, draft, cache):
+        """The drafter's own loop state before any prompt (thresholds, its own caches)."""
         return ()
+
+    def extend(self, params, draft, state, tokens, start, cache):
+        """The state after a chunk of prompt, tokens [B, C] at slots start [B], whose target K/V `cache` holds."""
+        return state
+
+    def resume(self, state):
+        """A finished run's state, for a prefill that continues its text (a chat's next turn): what the run counted,
+        and drafts made for its next step, reset."""
+        return state
 
     def stats(self, state) -> dict:
         """What the drafter counted over a run, from its final state."""

@@ -17,9 +17,9 @@ Work is shared, never repeated:
   kept in the drafter state, indexed by tree node, and verification runs layers l..L-1 over those,
   recomputing nothing below l (paper Fig. 2, the "parallel compute unit");
 - the adapter keeps its own one-layer K/V cache in the target cache's slot layout, so the same
-  `commit_path` keeps it consistent after a rejection or a full acceptance.
-The price: the adapter's cache needs the prompt's exit states, so `init_state` runs layers 0..l-1
-over the prompt once more, about l/L of a prefill added to the time to first token.
+  `commit_path` keeps it consistent after a rejection or a full acceptance;
+- the adapter's cache needs the prompt's exit states: `prefill` runs the target's prefill split at the
+  exit layer and feeds the adapter from there, so a prompt costs the target's prefill and one layer.
 """
 
 from __future__ import annotations
@@ -124,17 +124,26 @@ class KangarooDrafter(ChainDrafter):
     eta: float = 0.6
     process_last_block = True  # the deepest token's exit state and adapter K/V are needed if it is accepted
 
-    def init_state(self, params, draft, prompt, lengths, cache):
-        b, p = prompt.shape
-        zeros = jnp.zeros((b,), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        mask = kv.causal_mask(zeros, p, kv.cache_len(cache))
-        # The prefill already wrote these layers' K/V: the cache this returns holds the same values, so it is dropped.
-        exits, _ = self._shallow(params, prompt, positions, cache, zeros, mask)
-        layer = kv.init_cache(self.config, b, kv.cache_len(cache), cache[0]["k"].dtype)[0]
-        _, layer = adapter_hidden(draft, exits, layer, positions, zeros, mask, config=self.config)
-        return {"exit": jnp.zeros((b, self.tree.num_nodes, exits.shape[-1]), exits.dtype), "adapter": layer,
-                "length": lengths.astype(jnp.int32)}
+    def init_state(self, params, draft, cache):
+        b = cache[0]["k"].shape[0]
+        exits = jax.eval_shape(lambda: self._shallow(params, jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32),
+                                                     cache, jnp.zeros((b,), jnp.int32), kv.prompt_chunk(
+                                                         jnp.zeros((b,), jnp.int32), 1))[0])
+        return {"exit": jnp.zeros((b, self.tree.num_nodes, exits.shape[-1]), exits.dtype),
+                "adapter": kv.init_cache(self.config, b, kv.cache_len(cache), cache[0]["k"].dtype)[0],
+                "length": jnp.zeros((b,), jnp.int32)}
+
+    def prefill(self, params, draft, state, cache, tokens, start):
+        # The target's prefill split at the exit layer: the exit states it passes through feed the adapter, which is
+        # all the draft adds to a prompt's time.
+        c = tokens.shape[1]
+        positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+        mask = kv.prompt_chunk(start, c)
+        exits, cache = self._shallow(params, tokens, positions, cache, start, mask)
+        _, layer = adapter_hidden(draft, exits, state["adapter"], positions, start, mask, config=self.config)
+        decoder, variables = Decoder(self.config, deep_plan(self.config.num_layers, self.exit_layer)), {"params": params}
+        x, cache = decoder.apply(variables, exits, positions, cache, start, mask, method="run_layers")
+        return decoder.apply(variables, x, method=lambda m, x: m.final_norm(x)), cache, {**state, "adapter": layer}
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         # `block` learns its tokens' node indices from their slots: slot - length.

@@ -55,8 +55,11 @@ class LookupDrafter(Drafter):
     def gamma(self) -> int:
         return self.tree.depth
 
-    def init_state(self, params, draft, prompt, lengths, cache):
-        return init_history(prompt, cache, self.tree.depth)
+    def init_state(self, params, draft, cache):
+        return init_history(cache, self.tree.depth)
+
+    def extend(self, params, draft, history, tokens, start, cache):
+        return kv.put_rows(history, tokens, start)
 
     def draft(self, params, draft, cache, length, last, history, key, sampling: Sampling):
         history, nodes, valid, _ = look_up(history, length, last, self.ngram, self.tree.depth)
@@ -75,11 +78,10 @@ def look_up(history, length, last, ngram: int, depth: int):
     return history, *propose(history, length, ngram, depth)
 
 
-def init_history(prompt, cache, depth: int):
-    """Every token by slot: the prompt now, then each step's output (`record`); the room past the cache
-    takes the last step's overrun."""
-    history = jnp.zeros((prompt.shape[0], kv.cache_len(cache) + depth + 1), jnp.int32)
-    return jax.lax.dynamic_update_slice(history, prompt.astype(jnp.int32), (0, 0))
+def init_history(cache, depth: int):
+    """Every token by slot: the prompt's (`kv.put_rows` of each chunk), then each step's output (`record`); the room
+    past the cache takes the last step's overrun."""
+    return jnp.zeros((cache[0]["k"].shape[0], kv.cache_len(cache) + depth + 1), jnp.int32)
 
 
 def record(history, length, emitted):
@@ -119,10 +121,27 @@ class WithLookup(Drafter):
     def scratch_nodes(self) -> int:
         return self.inner.scratch_nodes
 
-    def init_state(self, params, draft, prompt, lengths, cache):
+    def init_state(self, params, draft, cache):
         # The third part counts the steps lookup drafted (the model's draft skipped), for `stats`.
-        return (self.inner.init_state(params, draft, prompt, lengths, cache),
-                init_history(prompt, cache, self.tree.depth), jnp.int32(0))
+        return self.inner.init_state(params, draft, cache), init_history(cache, self.tree.depth), jnp.int32(0)
+
+    def extend(self, params, draft, state, tokens, start, cache):
+        inner, history, looked_up = state
+        return self.inner.extend(params, draft, inner, tokens, start, cache), kv.put_rows(history, tokens, start), looked_up
+
+    def resume(self, state):
+        return self.inner.resume(state[0]), state[1], jnp.int32(0)
+
+    @property
+    def prefill(self):
+        if self.inner.prefill is None:
+            return None
+
+        def prefill(params, draft, state, cache, tokens, start):
+            inner, history, looked_up = state
+            hidden, cache, inner = self.inner.prefill(params, draft, inner, cache, tokens, start)
+            return hidden, cache, (inner, kv.put_rows(history, tokens, start), looked_up)
+        return prefill
 
     def tree_arrays(self, state, batch: int):
         return self.inner.tree_arrays(state[0], batch)

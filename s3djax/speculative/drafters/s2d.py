@@ -148,17 +148,22 @@ class S2DDrafter(ChainDrafter):
 
     # ------------------------------------------------------------------------- the drafter interface
 
-    def init_state(self, params, draft, prompt, lengths, cache):
-        b, p = prompt.shape
-        s = kv.cache_len(cache)
-        dcache = kv.init_cache(self.config.replace(num_layers=self.exits[-1]), b, s, cache[0]["k"].dtype)
-        zeros = jnp.zeros((b,), jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        _, dcache = self.full_depth(params, draft, prompt, positions, dcache, zeros, kv.causal_mask(zeros, p, s))
-        return {"cache": dcache,
-                "history": jnp.zeros((b, s), jnp.int32).at[:, :p].set(prompt),   # committed token ids by slot
-                "reached": jnp.full((b, s), len(self.exits), jnp.int32),          # segments each slot's K/V cover
-                "exit_counts": jnp.zeros(len(self.exits), jnp.int32)}             # drafted tokens per exit
+    def init_state(self, params, draft, cache):
+        b, s = cache[0]["k"].shape[0], kv.cache_len(cache)
+        return {"cache": kv.init_cache(self.config.replace(num_layers=self.exits[-1]), b, s, cache[0]["k"].dtype),
+                "history": jnp.zeros((b, s), jnp.int32),                  # committed token ids by slot
+                "reached": jnp.full((b, s), len(self.exits), jnp.int32),  # segments each slot's K/V cover
+                "exit_counts": jnp.zeros(len(self.exits), jnp.int32)}     # drafted tokens per exit
+
+    def extend(self, params, draft, state, tokens, start, cache):
+        b, c = tokens.shape
+        positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+        _, dcache = self.full_depth(params, draft, tokens, positions, state["cache"], start, kv.prompt_chunk(start, c))
+        return {**state, "cache": dcache, "history": kv.put_rows(state["history"], tokens, start),
+                "reached": kv.put_rows(state["reached"], jnp.full((b, c), len(self.exits), jnp.int32), start)}
+
+    def resume(self, state):
+        return {**state, "exit_counts": jnp.zeros_like(state["exit_counts"])}
 
     def _tail(self, params, draft, length, last, state):
         """Block 0: the committed tail and the root through all N_d layers, (the root's hidden state [B, D], state)."""

@@ -61,9 +61,9 @@ class S3DDrafter(Drafter):
         """The draft's head (its vocabulary's rows, if it has one) over final-normed states."""
         return Decoder(self.config).apply({"params": params}, hidden, draft.get("head"), method="logits")
 
-    def init_state(self, params, draft, prompt, lengths, cache):
+    def init_state(self, params, draft, cache):
         # A dynamic tree changes every step: the loop carries the one drafted to its verification.
-        return self.tree.arrays(prompt.shape[0]) if self.tree.dynamic else ()
+        return self.tree.arrays(cache[0]["k"].shape[0]) if self.tree.dynamic else ()
 
     def tree_arrays(self, state, batch: int):
         return state if self.tree.dynamic else self.tree.arrays(batch)

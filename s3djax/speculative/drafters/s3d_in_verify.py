@@ -59,10 +59,14 @@ class InVerifyS3DDrafter(S3DDrafter):
     def scratch_nodes(self) -> int:
         return len(self.layout[0])
 
-    def init_state(self, params, draft, prompt, lengths, cache):
-        b, k = prompt.shape[0], self.gamma
+    def init_state(self, params, draft, cache):
+        b, k = cache[0]["k"].shape[0], self.gamma
         return {"nodes": jnp.zeros((b, k), jnp.int32), "valid": jnp.zeros((b, k), bool),
                 "q": jnp.zeros((b, k + 1, self.config.vocab_size), jnp.float32)}
+
+    def resume(self, state):
+        # The chain the last verify drafted continues the old text, not the new turn: the first step drafts nothing.
+        return {**state, "valid": jnp.zeros_like(state["valid"])}
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         return state["nodes"], state["valid"], None if sampling.greedy else state["q"], cache, state

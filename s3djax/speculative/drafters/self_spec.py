@@ -64,8 +64,8 @@ class SelfSpecDrafter(ChainDrafter):
     tree: TreeSpec
     threshold: AdaptiveThreshold = AdaptiveThreshold()
 
-    def init_state(self, params, draft, prompt, lengths, cache):
-        return {**self.threshold.init(), "drafted": jnp.zeros(prompt.shape[:1], jnp.int32)}
+    def init_state(self, params, draft, cache):
+        return {**self.threshold.init(), "drafted": jnp.zeros(cache[0]["k"].shape[:1], jnp.int32)}
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
         dynamic = None if self.plan is not None else DynamicPlan(draft["attn"], draft["mlp"])

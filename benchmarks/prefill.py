@@ -1,0 +1,131 @@
+"""Time to first token on long prompts, against llama.cpp on the same CPU and GGUF.
+
+    python -m benchmarks.prefill [--tokens 1000,4000,8000] [--methods ar,s3d,kangaroo] [--repeats 2]
+
+Each prompt asks for a summary of a document made of held-out ShareGPT text, cut to the given number of tokens
+with the chat template (both sides get the same token ids). Ours: the time from the prompt's ids to the first
+token on the host, compile excluded, for fp32 and `--quant int8-all`, and the speculative methods' draft prefill
+on top of `ar`'s; llama.cpp (llama-cpp-python): F32 and Q8_0 on the model's GGUF, the same ids, its time to the
+first generated token. Runs are interleaved and the fastest of `--repeats` kept. Memory: the process's peak
+resident set after each size, and the KV cache's bytes.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import numpy as np
+
+from benchmarks import report
+from s3djax import device
+from s3djax.tokenizer import encode_prompt
+
+REQUEST = "\n\nSummarize the text above in three sentences."
+NEW_TOKENS = 8  # enough to see the first token arrive; decode speed is other benchmarks' business
+
+
+def document(tokenizer, tokens: int) -> str:
+    """Held-out ShareGPT first turns joined until they hold `tokens` tokens."""
+    from s3djax.bench_data import sharegpt_heldout
+
+    parts, have = [], 0
+    for _, text in sharegpt_heldout():
+        parts.append(text)
+        have += len(tokenizer.encode(text, add_special_tokens=False))
+        if have > tokens + 64:
+            break
+    return "\n\n".join(parts)
+
+
+def long_prompt(tokenizer, tokens: int, text: str) -> list[int]:
+    """The chat-templated summary request of `text` cut so that the ids number `tokens` (or a few fewer)."""
+    body = tokenizer.encode(text, add_special_tokens=False)
+    keep = tokens
+    for _ in range(4):  # the template's tokens around the document, and the cut's re-tokenization, settle fast
+        ids = encode_prompt(tokenizer, tokenizer.decode(body[:keep]) + REQUEST, True)
+        if len(ids) <= tokens and tokens - len(ids) < 8:
+            return ids
+        keep -= len(ids) - tokens + (1 if len(ids) > tokens else 0)
+    return ids[:tokens]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    from infer import llamacpp
+    from s3djax.cli import Parser
+    from s3djax.generator import Generator
+    from s3djax.registry import DEFAULT_MODEL
+
+    p = Parser(prog="python -m benchmarks.prefill", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1000,4000,8000", help="prompt sizes, comma-separated")
+    p.add_argument("--methods", default="ar,s3d,kangaroo", help="our methods at fp32 (ar first)")
+    p.add_argument("--quant", default="int8-all", help="a quantized ar as well ('none': skip)")
+    p.add_argument("--peers", default="llamacpp-f32,llamacpp-q8_0", help="llama.cpp peers ('none': skip)")
+    p.add_argument("--max-cache-len", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    sizes = [int(t) for t in args.tokens.split(",")]
+    methods = args.methods.split(",")
+    p.check(args, repeats=args.repeats >= 1, methods=methods[0] == "ar",
+            tokens=all(1 < n < args.max_cache_len for n in sizes))
+    peers = [] if args.peers == "none" else args.peers.split(",")
+    if peers and (why := llamacpp.unavailable()):
+        print(f"note: {why}; the llama.cpp columns are skipped")
+        peers = []
+
+    gen = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len)
+    ours = {m: gen.session(m).runner for m in methods}
+    if args.quant != "none":
+        ours[f"ar {args.quant}"] = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len,
+                                            quant=args.quant).session("ar").runner
+    runs = {name: (lambda ids, r=r: r.generate(ids, NEW_TOKENS).ttft_s) for name, r in ours.items()}
+    for name in peers:
+        run = llamacpp.peer(llamacpp.model(name, gen.source.path, n_ctx=args.max_cache_len), gen.model.eos_ids)
+        runs[name] = lambda ids, run=run: run(ids, NEW_TOKENS)["ttft_s"]
+
+    text = document(gen.tokenizer, max(sizes))
+    cache_mb = 2 * gen.config.num_layers * args.max_cache_len * gen.config.num_kv_heads * gen.config.head_dim * 4 / 2**20
+    rows = []
+    for n in sizes:
+        ids = long_prompt(gen.tokenizer, n, text)
+        for runner in ours.values():  # compiled before any clock
+            runner.generate(ids, 2)
+        best = {name: float("inf") for name in runs}
+        for r in range(args.repeats):
+            for name, run in runs.items():
+                best[name] = min(best[name], run(ids))
+                print(f"  {len(ids)} tokens, round {r + 1}: {name} {best[name]:.3f} s", flush=True)
+        rows.append((len(ids), best, peak_rss_mb()))
+
+    names = list(runs)
+    head = ["prompt tokens", *[f"{n} TTFT s" for n in names]]
+    ratios = []
+    if "llamacpp-f32" in runs:
+        ratios.append(("ar", "llamacpp-f32"))
+    if f"ar {args.quant}" in runs and "llamacpp-q8_0" in runs:
+        ratios.append((f"ar {args.quant}", "llamacpp-q8_0"))
+    head += [f"{a} / {b}" for a, b in ratios] + [f"{m} / ar" for m in methods[1:]] + ["peak RSS MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for n, best, rss in rows:
+        cells = [str(n), *[f"{best[k]:.3f}" for k in names]]
+        cells += [f"{best[a] / best[b]:.2f}x" for a, b in ratios]
+        cells += [f"{best[m] / best['ar']:.3f}x" for m in methods[1:]]
+        lines.append("| " + " | ".join(cells + [f"{rss:.0f}"]) + " |")
+    notes = [f"# Time to first token on long prompts ({time.strftime('%Y-%m-%d')})", "",
+             f"- device: {device.describe()}; ours fp32 unless named, `--max-cache-len {args.max_cache_len}` "
+             f"(KV cache {cache_mb:.0f} MB fp32), greedy; fastest of {args.repeats} interleaved runs",
+             "- prompt: a summary request of held-out ShareGPT text, chat template, the same ids for every column; "
+             "TTFT: prompt ids in, first new token on the host, compile excluded",
+             "- llama.cpp: llama-cpp-python on the model's GGUF requantized to F32 / Q8_0, all cores; its TTFT is "
+             "`generate` up to the first token", "", *lines, ""]
+    report.write(args.out, f"prefill-{report.device_slug()}-{time.strftime('%Y-%m-%d')}.md", "\n".join(notes))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
