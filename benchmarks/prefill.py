@@ -1,4 +1,4 @@
-"""Time to first token on long prompts, against llama.cpp on the same CPU and GGUF.
+"""Time to first token on long prompts, and decode speed after them, against llama.cpp on the same CPU and GGUF.
 
     python -m benchmarks.prefill [--tokens 1000,4000,8000] [--methods ar,s3d,kangaroo] [--repeats 2]
 
@@ -6,12 +6,14 @@ Each prompt asks for a summary of a document made of held-out ShareGPT text, cut
 with the chat template (both sides get the same token ids). Ours: the time from the prompt's ids to the first
 token on the host, compile excluded, for fp32 and `--quant int8-all`, and the speculative methods' draft prefill
 on top of `ar`'s; llama.cpp (llama-cpp-python): F32 and Q8_0 on the model's GGUF, the same ids, its time to the
-first generated token. Runs are interleaved and the fastest of `--repeats` kept. Memory: the process's peak
+first generated token. Then `--new-tokens` greedy tokens: decode tokens/s at that context (ours and llama.cpp's, both
+from the first token on). Runs are interleaved and the fastest of `--repeats` kept. Memory: the process's peak
 resident set after each size, and the KV cache's bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 
@@ -22,7 +24,6 @@ from s3djax import device
 from s3djax.tokenizer import encode_prompt
 
 REQUEST = "\n\nSummarize the text above in three sentences."
-NEW_TOKENS = 8  # enough to see the first token arrive; decode speed is other benchmarks' business
 
 
 def document(tokenizer, tokens: int) -> str:
@@ -66,12 +67,13 @@ def main() -> None:
     p.add_argument("--quant", default="int8-all", help="a quantized ar as well ('none': skip)")
     p.add_argument("--peers", default="llamacpp-f32,llamacpp-q8_0", help="llama.cpp peers ('none': skip)")
     p.add_argument("--max-cache-len", type=int, default=8192)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded after each prompt")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     sizes = [int(t) for t in args.tokens.split(",")]
     methods = args.methods.split(",")
-    p.check(args, repeats=args.repeats >= 1, methods=methods[0] == "ar",
+    p.check(args, repeats=args.repeats >= 1, methods=methods[0] == "ar", new_tokens=args.new_tokens >= 2,
             tokens=all(1 < n < args.max_cache_len for n in sizes))
     peers = [] if args.peers == "none" else args.peers.split(",")
     if peers and (why := llamacpp.unavailable()):
@@ -83,24 +85,33 @@ def main() -> None:
     if args.quant != "none":
         ours[f"ar {args.quant}"] = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len,
                                             quant=args.quant).session("ar").runner
-    runs = {name: (lambda ids, r=r: r.generate(ids, NEW_TOKENS).ttft_s) for name, r in ours.items()}
+    def timed(result) -> tuple[float, float]:  # (time to first token, decode tokens/s after it)
+        return result.ttft_s, result.tokens_per_s
+
+    def timed_peer(r: dict) -> tuple[float, float]:
+        return r["ttft_s"], (len(r["tokens"]) - 1) / r["decode_s"] if r["decode_s"] > 0 else 0.0
+
+    # An EOS would end a decode early: every run must decode the same tokens, so none is an end here.
+    for runner in ours.values():
+        runner.decoder = dataclasses.replace(runner.decoder, eos_ids=()) if hasattr(runner.decoder, "eos_ids") else \
+            dataclasses.replace(runner.decoder, ar=dataclasses.replace(runner.decoder.ar, eos_ids=()))
+    runs = {name: (lambda ids, r=r: timed(r.generate(ids, args.new_tokens))) for name, r in ours.items()}
     for name in peers:
-        run = llamacpp.peer(llamacpp.model(name, gen.source.path, n_ctx=args.max_cache_len), gen.model.eos_ids)
-        runs[name] = lambda ids, run=run: run(ids, NEW_TOKENS)["ttft_s"]
+        run = llamacpp.peer(llamacpp.model(name, gen.source.path, n_ctx=args.max_cache_len), ())
+        runs[name] = lambda ids, run=run: timed_peer(run(ids, args.new_tokens))
 
     text = document(gen.tokenizer, max(sizes))
     cache_mb = 2 * gen.config.num_layers * args.max_cache_len * gen.config.num_kv_heads * gen.config.head_dim * 4 / 2**20
     rows = []
     for n in sizes:
         ids = long_prompt(gen.tokenizer, n, text)
-        for runner in ours.values():  # compiled before any clock
-            runner.generate(ids, 2)
-        best = {name: float("inf") for name in runs}
+        best, rate = {name: float("inf") for name in runs}, {name: 0.0 for name in runs}
         for r in range(args.repeats):
             for name, run in runs.items():
-                best[name] = min(best[name], run(ids))
-                print(f"  {len(ids)} tokens, round {r + 1}: {name} {best[name]:.3f} s", flush=True)
-        rows.append((len(ids), best, peak_rss_mb()))
+                ttft, tps = run(ids)
+                best[name], rate[name] = min(best[name], ttft), max(rate[name], tps)
+                print(f"  {len(ids)} tokens, round {r + 1}: {name} {ttft:.3f} s, {tps:.1f} tokens/s", flush=True)
+        rows.append((len(ids), best, rate, peak_rss_mb()))
 
     names = list(runs)
     head = ["prompt tokens", *[f"{n} TTFT s" for n in names]]
@@ -111,19 +122,25 @@ def main() -> None:
         ratios.append((f"ar {args.quant}", "llamacpp-q8_0"))
     head += [f"{a} / {b}" for a, b in ratios] + [f"{m} / ar" for m in methods[1:]] + ["peak RSS MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for n, best, rss in rows:
+    decode = [n for n in names if n not in methods[1:]]  # the speculative methods' decode is the family table's
+    dhead = ["prompt tokens", *[f"{n} decode tok/s" for n in decode], *[f"{a} / {b}" for a, b in ratios]]
+    dlines = ["| " + " | ".join(dhead) + " |", "|" + " --- |" * len(dhead)]
+    for n, best, rate, rss in rows:
         cells = [str(n), *[f"{best[k]:.3f}" for k in names]]
         cells += [f"{best[a] / best[b]:.2f}x" for a, b in ratios]
         cells += [f"{best[m] / best['ar']:.3f}x" for m in methods[1:]]
         lines.append("| " + " | ".join(cells + [f"{rss:.0f}"]) + " |")
+        dcells = [str(n), *[f"{rate[k]:.1f}" for k in decode], *[f"{rate[a] / rate[b]:.2f}x" for a, b in ratios]]
+        dlines.append("| " + " | ".join(dcells) + " |")
     notes = [f"# Time to first token on long prompts ({time.strftime('%Y-%m-%d')})", "",
              f"- device: {device.describe()}; ours fp32 unless named, `--max-cache-len {args.max_cache_len}` "
              f"(KV cache {cache_mb:.0f} MB fp32), greedy; fastest of {args.repeats} interleaved runs",
              "- prompt: a summary request of held-out ShareGPT text, chat template, the same ids for every column; "
              "TTFT: prompt ids in, first new token on the host, compile excluded",
              "- llama.cpp: llama-cpp-python on the model's GGUF requantized to F32 / Q8_0, all cores; its TTFT is "
-             "`generate` up to the first token", "", *lines, ""]
-    report.write(args.out, f"prefill-{report.device_slug()}-{time.strftime('%Y-%m-%d')}.md", "\n".join(notes))
+             "`generate` up to the first token", "", "## Time to first token", "", *lines, "",
+             f"## Decode after the prompt ({args.new_tokens} tokens, greedy, no EOS)", "", *dlines, ""]
+    report.write(args.out, f"prefill-{time.strftime('%Y-%m-%d')}", "\n".join(notes))
 
 
 if __name__ == "__main__":

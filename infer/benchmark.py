@@ -37,7 +37,9 @@ def parse_args(argv=None):
                    "what sampling costs); the Hugging Face peers hf-ar, hf-early-exit, "
                    "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
                    "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is)")
-    p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout")
+    p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout, and "
+                   "Spec-Bench's tasks: mt-bench-multiturn (the second turn after the method's own first answer, on its "
+                   "cache), summarization, qa (retrieval-style, over three passages), math (s3djax.bench_data)")
     p.add_argument("--mt-bench-turns", type=int, choices=(1, 2), default=1)
     p.add_argument("--limit", default=None, help="prompts per dataset (default: all): N for every set, or "
                    "DATASET=N pairs separated by commas (mt-bench=80,humaneval=40)")
@@ -140,10 +142,34 @@ def method_options(args, name: str) -> dict:
 
 class Method:
     """A method the benchmark times: a call runs one prompt; a batch runs several, one after another unless the
-    method decodes batches."""
+    method decodes batches; a conversation runs turns, each after the method's own answer to the one before."""
 
     def batch(self, rows, n):
         return [self(ids, n) for ids in rows]
+
+    def conversation(self, tokenizer, turns, n):
+        """One row for a multi-turn item (`joined`); each turn's prompt is the whole conversation so far."""
+        from s3djax.tokenizer import encode_chat
+
+        messages, rows = [], []
+        for text in turns:
+            messages.append({"role": "user", "content": text})
+            rows.append(self(encode_chat(tokenizer, messages), n))
+            messages.append({"role": "assistant", "content": tokenizer.decode(rows[-1]["tokens"], skip_special_tokens=True)})
+        return joined(rows)
+
+
+def joined(rows: list[dict]) -> dict:
+    """A conversation's turns as one run: their tokens, decode time and verify steps together; the time to first
+    token of the last turn (where a cache kept from the turns before shows)."""
+    out = {"tokens": [t for r in rows for t in r["tokens"]], "decode_s": sum(r["decode_s"] for r in rows),
+           "ttft_s": rows[-1]["ttft_s"], "compile_s": sum(r.get("compile_s", 0.0) for r in rows)}
+    for key in ("accepted_per_step", "drafted_per_step"):
+        if key in rows[0]:
+            out[key] = [x for r in rows for x in r[key]]
+    if "paused_steps" in rows[0]:
+        out["paused_steps"] = sum(r["paused_steps"] for r in rows)
+    return out
 
 
 class JaxMethod(Method):
@@ -159,13 +185,27 @@ class JaxMethod(Method):
         breakeven = session.runner.overrides.get("breakeven")
         if breakeven is not None:
             self.about += f"; a step drafts while it accepts {float(breakeven):.2f}+ drafts (measured here)"
-        self.runner = session.runner
+        self.runner, self.session, self.gen = session.runner, session, gen
         decoder = session.built.decoder
         self.depth = decoder.drafter.tree.depth if hasattr(decoder, "drafter") else 0
         self.memory_bytes = quant.param_bytes(session.built.params) + kv_cache_bytes(gen.config, args)
 
     def __call__(self, ids, n):
         return self.row(self.runner.generate(ids, n, seed=self.seed))
+
+    def conversation(self, tokenizer, turns, n):
+        """A chat that keeps its cache: each turn prefills only what the cache lacks (`s3djax.generator.Chat`)."""
+        from s3djax.generator import Chat
+
+        chat, rows = Chat(self.gen, self.session, None, "stop"), []
+        for text in turns:
+            out = chat.send(text, n, seed=self.seed)
+            decoded = max(len(out.token_ids) - 1, 0)
+            rows.append({"tokens": out.token_ids, "ttft_s": out.ttft_s, "compile_s": out.compile_s,
+                         "decode_s": decoded / out.tokens_per_s if out.tokens_per_s else 0.0,
+                         **{k: out.stats[k] for k in ("accepted_per_step", "drafted_per_step", "paused_steps")
+                            if k in out.stats}})
+        return joined(rows)
 
     def batch(self, rows, n):
         """One batch where the decoder takes one (ar), each row charged its share of the batch's decode time."""
@@ -274,6 +314,14 @@ def build_methods(args, gen, prompts_for_tuning, notes):
     return built
 
 
+def room_needed(item: dict, tokenizer, max_new_tokens: int) -> int:
+    """Cache slots an item may take: its prompt and answer, and each later turn (with the template's few tokens)
+    and its answer."""
+    later = item.get("turns", [])[1:]
+    return len(item["ids"]) + max_new_tokens * (1 + len(later)) + sum(
+        len(tokenizer.encode(t, add_special_tokens=False)) + 16 for t in later)
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -303,7 +351,7 @@ def main(argv=None):
     notes, sets = [], {}
     for name in args.dataset:
         items = bench_data.prompts(name, gen.tokenizer, args.limit.get(name), mt_bench_turns=args.mt_bench_turns)
-        fits = [p for p in items if len(p["ids"]) + args.max_new_tokens <= args.max_cache_len]
+        fits = [p for p in items if room_needed(p, gen.tokenizer, args.max_new_tokens) <= args.max_cache_len]
         if len(fits) < len(items):
             notes.append(f"{name}: {len(items) - len(fits)} prompts skipped, longer than --max-cache-len "
                          f"{args.max_cache_len} less --max-new-tokens {args.max_new_tokens}")
@@ -332,7 +380,10 @@ def main(argv=None):
                 group = items[at:at + args.batch]
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     bar.set_postfix_str(f"{d} {group[0]['id']} {name}")
-                    rows = methods[name].batch([p["ids"] for p in group], args.max_new_tokens)
+                    if "turns" in group[0]:
+                        rows = [methods[name].conversation(gen.tokenizer, p["turns"], args.max_new_tokens) for p in group]
+                    else:
+                        rows = methods[name].batch([p["ids"] for p in group], args.max_new_tokens)
                     runs[d][name].extend({"id": p["id"], "prompt_tokens": len(p["ids"]), **r} for p, r in zip(group, rows))
                     bar.update(len(group))
     ar_memory = methods["ar"].memory_bytes

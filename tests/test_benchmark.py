@@ -105,3 +105,17 @@ def test_a_sampled_batched_run_on_smollm2(tmp_path):
     # the first batch's two ar rows share its decode time equally; the third prompt ran alone
     assert runs["ar"][0]["decode_s"] == runs["ar"][1]["decode_s"] != runs["ar"][2]["decode_s"]
     assert "batches of 2 prompts" in (tmp_path / "results.md").read_text()
+
+
+def test_a_multi_turn_run_asks_the_second_turn_on_the_first_answers_cache(tmp_path):
+    import json
+
+    benchmark.main(["--methods", "ar,lookup", "--dataset", "mt-bench-multiturn", "--limit", "2", "--max-new-tokens",
+                    "12", "--max-cache-len", "512", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "results.json").read_text())
+    summary, runs = record["summary"]["mt-bench-multiturn"], record["runs"]["mt-bench-multiturn"]
+    assert summary["lookup"]["identical"] == 1.0 and summary["ar"]["prompts"] == 2
+    # Both turns' answers are in each run, and lookup's verify steps cover both.
+    assert all(len(r["tokens"]) > 12 for r in runs["ar"])
+    assert sum(len(r["accepted_per_step"]) + sum(r["accepted_per_step"]) for r in runs["lookup"]) == \
+        sum(len(r["tokens"]) for r in runs["lookup"]) - 2 * 2
