@@ -7,15 +7,15 @@
 
 The public names: `Generator` (a model loaded once; `generate`, `stream` and `session` with any
 method), `Sampling` (temperature, top-k and top-p, passed whole), `Output` (one completion and its statistics),
-`Stream` (text as it is decoded), `Session` (one built method and its compiled steps) and `UserError` (bad input,
-with a one-line message).
+`Stream` (text as it is decoded), `Session` (one built method and its compiled steps), `Chat` (a conversation
+continuing one cache, from `Generator.chat`) and `UserError` (bad input, with a one-line message).
 They load on first use, so `import s3djax` alone does not import JAX. The modules below them are
 the engine: the model (`config`, `layers`, `model`, `cache`, `quant`), loading (`loading`,
 `registry`, `weights`, `tokenizer`), decoding (`decode`, `methods`, `speculative`), and what the
 command lines, benchmarks and notebook share (`cli`, `bench_data`, `sharegpt`, `analysis`).
 """
 
-__all__ = ["Generator", "Output", "Sampling", "Session", "Stream", "UserError"]
+__all__ = ["Chat", "Generator", "Output", "Sampling", "Session", "Stream", "UserError"]
 
 
 def __getattr__(name):
