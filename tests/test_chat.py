@@ -20,9 +20,11 @@ def gen(smollm2):
     return s3djax.Generator.from_model(smollm2, max_cache_len=512)
 
 
-@pytest.mark.parametrize("method", ["ar", "s3d", "self-spec", "kangaroo", "s2d", "lookup"])
-def test_each_turn_equals_the_conversation_from_scratch(gen, method):
-    chat = gen.chat(method)
+@pytest.mark.parametrize("method, options", [("ar", {}), ("s3d", {}), ("s3d", {"in_verify": "on"}), ("self-spec", {}),
+                                             ("kangaroo", {}), ("s2d", {}), ("lookup", {})],
+                         ids=["ar", "s3d", "s3d-in-verify", "self-spec", "kangaroo", "s2d", "lookup"])
+def test_each_turn_equals_the_conversation_from_scratch(gen, method, options):
+    chat = gen.chat(method, **options)
     answers = []
     for i, text in enumerate(TURNS):
         out = chat.send(text, NEW)
