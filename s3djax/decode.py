@@ -200,13 +200,19 @@ class Runner:
             raise ValueError(f"a continued prefill needs new tokens past the {start} already cached")
         chunks, key = self._chunks(prompt_ids, start), jax.random.key(seed)
         lengths = jnp.asarray([len(prompt_ids)], jnp.int32)
-        empty, compile_s = (None, 0.0) if prior else self._compiled("empty", lambda params: d.empty(params, 1))
-        carry = jax.eval_shape(lambda: d.empty(self.params, 1)) if prior is None else \
-            jax.eval_shape(d.resume, prior[0])
+        if prior is None and len(chunks) == 1:  # one executable for a short prompt on an empty cache (the common case)
+            tokens = chunks[0][0]
+            whole, compile_s = self._compiled("start", d.start, tokens, lengths, key)
+            return lambda: whole(self.params, tokens, lengths, key), compile_s
+        if prior is None:
+            empty, compile_s = self._compiled("empty", lambda params: d.empty(params, 1))
+            carry = empty.out_info
+        else:
+            empty, compile_s, carry = None, 0.0, jax.eval_shape(d.resume, prior[0])
         steps = []
-        for chunk in chunks:
+        for chunk in chunks:  # each chunk's carry and hidden shapes come from the executable before it
             step, c = self._compiled("prefill", d.prefill, carry, *chunk)
-            carry, hidden = jax.eval_shape(d.prefill, self.params, carry, *chunk)
+            carry, hidden = step.out_info
             steps.append(step)
             compile_s += c
         begin, c = self._compiled("begin", d.begin, carry, hidden, lengths, key)

@@ -111,19 +111,19 @@ def test_compiles_once_across_prompt_lengths_and_token_budgets(tiny_params):
     # The Runner's own executables (small ops elsewhere compile on first use, so XLA's count would vary).
     decode._EXECUTABLES.clear()  # the process shares them: another test may have compiled these
     runner = Runner(ARDecoder(TINY, 64, eos_ids=()), tiny_params)
-    assert runner.generate([1, 2, 3], 5).compile_s > 0  # compiles the empty cache, a prefill chunk (16), begin, decode
-    assert len(decode._EXECUTABLES) == 4
+    assert runner.generate([1, 2, 3], 5).compile_s > 0  # compiles a one-chunk start (bucket 16) and decode
+    assert len(decode._EXECUTABLES) == 2
     runner.generate(list(range(1, 12)), 9, on_tokens=lambda t: None, chunk=3)  # same bucket, streamed
     runner.generate([4, 5], 2, seed=3)
-    assert len(decode._EXECUTABLES) == 4, "a prompt in the same bucket or another token budget recompiled"
-    runner.generate(list(range(1, 20)), 4)            # bucket 32: only the prefill compiles
-    assert len(decode._EXECUTABLES) == 5
+    assert len(decode._EXECUTABLES) == 2, "a prompt in the same bucket or another token budget recompiled"
+    runner.generate(list(range(1, 20)), 4)            # bucket 32: only its start compiles
+    assert len(decode._EXECUTABLES) == 3
     # Another Runner of an equal decoder reuses them; weights of another dtype need their own.
     again = Runner(ARDecoder(TINY, 64, eos_ids=()), jax.tree.map(jnp.copy, tiny_params)).generate([1, 2, 3], 5)
-    assert again.compile_s == 0.0 and len(decode._EXECUTABLES) == 5
+    assert again.compile_s == 0.0 and len(decode._EXECUTABLES) == 3
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), tiny_params)
     assert Runner(ARDecoder(TINY, 64, eos_ids=()), bf16).generate([1], 2).compile_s > 0
-    assert len(decode._EXECUTABLES) == 9
+    assert len(decode._EXECUTABLES) == 5
     assert bucket(19, 64) == 32 and bucket(3, 64) == 16 and bucket(60, 64) == 64
 
 
