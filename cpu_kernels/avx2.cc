@@ -45,10 +45,16 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static V hsums(const V* a) {  // lane r: the sum of a[r]'s lanes, for W vectors at once
+    V t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    V t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    V lanes0 = _mm256_hadd_ps(t0, t1), lanes4 = _mm256_hadd_ps(t2, t3);  // each 128-bit half: 4 vectors' partials
+    return _mm256_add_ps(_mm256_permute2f128_ps(lanes0, lanes4, 0x20), _mm256_permute2f128_ps(lanes0, lanes4, 0x31));
+  }
 };
 
 const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run,
-                             &Attention<Avx2>::Run};
+                             &Attention<Avx2>::Run, &Attention<Avx2>::Combine};
 
 }  // namespace
 

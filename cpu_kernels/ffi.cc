@@ -232,13 +232,22 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   if (k.element_type() != et || v.element_type() != et || out->element_type() != et)
     return ffi::Error::InvalidArgument("s3djax_attention: q, k, v and out must share one dtype");
   if (b * t * h * d == 0) return ffi::Error::Success();
+  int64_t keys = 0, longest = 1;
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t length = std::min<int64_t>(std::max<int32_t>(lengths.typed_data()[i], 0), s);
+    keys += length + td[2];
+    longest = std::max(longest, length + std::min<int64_t>(td[2], s - length));
+  }
+  const int64_t pieces = (longest + s3d::kPieceKeys - 1) / s3d::kPieceKeys;
+  thread_local std::vector<float> partials;
+  partials.resize(static_cast<size_t>(b * t * h * pieces * (d + 2)));
   s3d::AttentionProblem p{q.untyped_data(), k.untyped_data(), v.untyped_data(), lengths.typed_data(),
-                          tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type};
-  int64_t keys = 0;
-  for (int64_t i = 0; i < b; ++i) keys += std::min<int64_t>(std::max<int32_t>(p.lengths[i], 0), s) + td[2];
-  int64_t reads = keys * t * h * d;
-  Parallel(pool, b * kv * t, reads >= kParallelAttention,
+                          tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type,
+                          pieces, partials.data()};
+  const bool worth_it = keys * t * h * d >= kParallelAttention;
+  Parallel(pool, b * kv * t * pieces, worth_it,
            [kernels, p](int64_t first, int64_t end) { kernels->attend(p, first, end); });
+  kernels->combine(p, 0, b * t * h);  // a few floats a row: not worth a thread
   return ffi::Error::Success();
 }
 

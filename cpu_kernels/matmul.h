@@ -36,7 +36,13 @@ struct AttentionProblem {
   int64_t b, t, h, kv, d, s, w;
   float scale;  // multiplies q before its dot products
   WeightType type;
+  int64_t pieces;   // each row's visible keys in pieces of kPieceKeys: enough for the longest row
+  float* partials;  // [B, T, H, pieces, D + 2]: each piece's max score, sum of exponentials and weighted values
 };
+
+// Keys a piece: a long context's row is split across threads, and a KV head's piece of keys and values (64 KiB
+// each for a head of 64 floats) is read from the core's cache by the second and later query heads of its group.
+constexpr int64_t kPieceKeys = 256;
 
 // A product's tiles are its column tiles (which depend on N and the ISA only) times groups of rows, and
 // each output element is one fixed sequence of fused multiply-adds over K: row i of an M-row product is
@@ -47,10 +53,11 @@ struct Kernels {
   int64_t panel;  // columns per packed panel
   int64_t (*tiles)(const Problem&);
   void (*run)(const Problem&, int64_t first_tile, int64_t end_tile);
-  // Attention's tiles are (batch, KV head, query row) triples, B * KV * T of them; a head holds at most 16
-  // vectors. A row's output depends only on the keys it
-  // sees, in slot order, never on T, W or the masked slots.
+  // Attention's tiles are (batch, KV head, query row, piece) tuples, B * KV * T * pieces of them; a head holds at
+  // most 16 vectors. `combine` then writes out's B * T * H rows. A row's output depends only on the keys it sees,
+  // in slot order, never on T, W, the masked slots or the number of pieces.
   void (*attend)(const AttentionProblem&, int64_t first_tile, int64_t end_tile);
+  void (*combine)(const AttentionProblem&, int64_t first_row, int64_t end_row);
 };
 
 const Kernels* Avx2Kernels();
