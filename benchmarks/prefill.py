@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1000,4000,8000", help="prompt sizes, comma-separated")
     p.add_argument("--methods", default="ar,s3d,kangaroo", help="our methods at fp32 (ar first)")
     p.add_argument("--quant", default="int8-all", help="a quantized ar as well ('none': skip)")
+    p.add_argument("--kv-dtype", default="bfloat16",
+                   help="ar and the quantized ar over a KV cache of this dtype as well, as llama.cpp's is f16 ('none': skip)")
     p.add_argument("--peers", default="llamacpp-f32,llamacpp-q8_0", help="llama.cpp peers ('none': skip)")
     p.add_argument("--max-cache-len", type=int, default=8192)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded after each prompt")
@@ -85,6 +87,12 @@ def main() -> None:
     if args.quant != "none":
         ours[f"ar {args.quant}"] = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len,
                                             quant=args.quant).session("ar").runner
+    kv = f"kv-{args.kv_dtype}"
+    if args.kv_dtype != "none":
+        ours[f"ar {kv}"] = gen.session("ar", kv_dtype=args.kv_dtype).runner
+        if args.quant != "none":
+            ours[f"ar {args.quant} {kv}"] = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len,
+                                                     quant=args.quant).session("ar", kv_dtype=args.kv_dtype).runner
     def timed(result) -> tuple[float, float]:  # (time to first token, decode tokens/s after it)
         return result.ttft_s, result.tokens_per_s
 
@@ -116,10 +124,11 @@ def main() -> None:
     names = list(runs)
     head = ["prompt tokens", *[f"{n} TTFT s" for n in names]]
     ratios = []
-    if "llamacpp-f32" in runs:
-        ratios.append(("ar", "llamacpp-f32"))
-    if f"ar {args.quant}" in runs and "llamacpp-q8_0" in runs:
-        ratios.append((f"ar {args.quant}", "llamacpp-q8_0"))
+    for ours_f32, ours_q in (("ar", f"ar {args.quant}"), (f"ar {kv}", f"ar {args.quant} {kv}")):
+        if ours_f32 in runs and "llamacpp-f32" in runs:
+            ratios.append((ours_f32, "llamacpp-f32"))
+        if ours_q in runs and "llamacpp-q8_0" in runs:
+            ratios.append((ours_q, "llamacpp-q8_0"))
     head += [f"{a} / {b}" for a, b in ratios] + [f"{m} / ar" for m in methods[1:]] + ["peak RSS MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     decode = [n for n in names if n not in methods[1:]]  # the speculative methods' decode is the family table's
@@ -137,8 +146,8 @@ def main() -> None:
              f"(KV cache {cache_mb:.0f} MB fp32), greedy; fastest of {args.repeats} interleaved runs",
              "- prompt: a summary request of held-out ShareGPT text, chat template, the same ids for every column; "
              "TTFT: prompt ids in, first new token on the host, compile excluded",
-             "- llama.cpp: llama-cpp-python on the model's GGUF requantized to F32 / Q8_0, all cores; its TTFT is "
-             "`generate` up to the first token", "", "## Time to first token", "", *lines, "",
+             "- llama.cpp: llama-cpp-python on the model's GGUF requantized to F32 / Q8_0, all cores, its default f16 KV "
+             "cache; its TTFT is `generate` up to the first token", "", "## Time to first token", "", *lines, "",
              f"## Decode after the prompt ({args.new_tokens} tokens, greedy, no EOS)", "", *dlines, ""]
     report.write(args.out, f"prefill-{time.strftime('%Y-%m-%d')}", "\n".join(notes))
 

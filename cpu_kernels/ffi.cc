@@ -224,13 +224,18 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     return ffi::Error::InvalidArgument("s3djax_attention: lengths must be [B] and tree [B, T, W]");
   for (int i = 0; i < 4; ++i)
     if (od[i] != qd[i]) return ffi::Error::InvalidArgument("s3djax_attention: out must have q's shape");
-  s3d::WeightType type;
-  auto et = q.element_type();
-  if (et == ffi::DataType::F32) type = s3d::WeightType::kF32;
-  else if (et == ffi::DataType::BF16) type = s3d::WeightType::kBF16;
-  else return ffi::Error::InvalidArgument("s3djax_attention: q, k and v must be float32 or bfloat16");
-  if (k.element_type() != et || v.element_type() != et || out->element_type() != et)
-    return ffi::Error::InvalidArgument("s3djax_attention: q, k, v and out must share one dtype");
+  // uint16: a cache of bfloat16 held as its bits (s3djax.cache.BITS), which XLA updates in place.
+  auto float_type = [](ffi::DataType t, s3d::WeightType* type) {
+    bool bf16 = t == ffi::DataType::BF16 || t == ffi::DataType::U16;
+    *type = bf16 ? s3d::WeightType::kBF16 : s3d::WeightType::kF32;
+    return bf16 || t == ffi::DataType::F32;
+  };
+  s3d::WeightType type, kv_type;
+  if (!float_type(q.element_type(), &type) || q.element_type() == ffi::DataType::U16 ||
+      !float_type(k.element_type(), &kv_type))
+    return ffi::Error::InvalidArgument("s3djax_attention: q must be float32 or bfloat16, k and v those or bfloat16 bits");
+  if (v.element_type() != k.element_type() || out->element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("s3djax_attention: v must have k's dtype and out q's");
   if (b * t * h * d == 0) return ffi::Error::Success();
   int64_t keys = 0, longest = 1;
   for (int64_t i = 0; i < b; ++i) {
@@ -242,7 +247,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   thread_local std::vector<float> partials;
   partials.resize(static_cast<size_t>(b * t * h * pieces * (d + 2)));
   s3d::AttentionProblem p{q.untyped_data(), k.untyped_data(), v.untyped_data(), lengths.typed_data(),
-                          tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type,
+                          tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type, kv_type,
                           pieces, partials.data()};
   const bool worth_it = keys * t * h * d >= kParallelAttention;
   Parallel(pool, b * kv * t * pieces, worth_it,

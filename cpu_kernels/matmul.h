@@ -25,7 +25,7 @@ struct Problem {
 
 // Attention of T new query rows over a KV cache: row t of batch b sees every slot below lengths[b], and the
 // scratch slot lengths[b] + j where tree[b, t, j] (j < W). q [B, T, H, D], k and v [B, S, KV, D] and out
-// [B, T, H, D] share one float type (`type`: kF32 or kBF16); a KV head serves H / KV query heads.
+// [B, T, H, D] each hold fp32 or bfloat16 (q and out one type, k and v one type); a KV head serves H / KV query heads.
 struct AttentionProblem {
   const void* q;
   const void* k;
@@ -35,7 +35,8 @@ struct AttentionProblem {
   void* out;
   int64_t b, t, h, kv, d, s, w;
   float scale;  // multiplies q before its dot products
-  WeightType type;
+  WeightType type;     // q's and out's
+  WeightType kv_type;  // k's and v's
   int64_t pieces;   // each row's visible keys in pieces of kPieceKeys: enough for the longest row
   float* partials;  // [B, T, H, pieces, D + 2]: each piece's max score, sum of exponentials and weighted values
 };

@@ -14,9 +14,35 @@ import jax.numpy as jnp
 from s3djax.config import ModelConfig
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
+# A bfloat16 cache that decoding on the CPU holds as its bits: XLA:CPU widens a bfloat16 dynamic-update-slice to fp32
+# and back, which copies the whole cache twice a layer every step. Bits are written in place. Training keeps bfloat16
+# (no gradient flows through a bitcast to integers).
+BITS = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
+FLOATS = {v: k for k, v in BITS.items()}
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, bits: bool = False) -> list[dict]:
+    """Zeroed K/V [B, S, KV, D] per layer of `dtype`, held as `BITS` where `bits` asks and the dtype has them."""
     shape = (batch, max_len, config.num_kv_heads, config.head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(config.num_layers)]
+    dtype = jnp.dtype(dtype)
+    held = BITS.get(dtype, dtype) if bits else dtype
+    return [{"k": jnp.zeros(shape, held), "v": jnp.zeros(shape, held)} for _ in range(config.num_layers)]
+
+
+def layout(cache) -> dict:
+    """`init_cache`'s dtype and bits for another cache held as `cache` is (a drafter's own beside the target's)."""
+    held = cache[0]["k"].dtype
+    return dict(dtype=FLOATS.get(held, held), bits=held in FLOATS)
+
+
+def float_dtype(x):
+    """The float dtype of a cache array, held as bits or not."""
+    return FLOATS.get(x.dtype, x.dtype)
+
+
+def floats(x):
+    """A cache array as floats (XLA materializes the bitcast of a whole cache: the CPU kernel reads the bits)."""
+    return jax.lax.bitcast_convert_type(x, FLOATS[x.dtype]) if x.dtype in FLOATS else x
 
 
 def cache_len(cache) -> int:
@@ -26,8 +52,10 @@ def cache_len(cache) -> int:
 @jax.jit  # traced once per shape, not once per layer (as `quant.dot`)
 def put_rows(buf, new, starts):
     """Write new [B, T, ...] into buf [B, S, ...] from each row's own start (starts: [B]), in buf's dtype."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n.astype(b.dtype), s, axis=0))(
-        buf, new, starts)
+    if buf.dtype in FLOATS:
+        new = jax.lax.bitcast_convert_type(new.astype(FLOATS[buf.dtype]), buf.dtype)
+    new = new.astype(buf.dtype)
+    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(buf, new, starts)
 
 
 def write(layer_cache: dict, k, v, slots) -> dict:

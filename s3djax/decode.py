@@ -70,7 +70,8 @@ class ARDecoder:
 
     def empty(self, params, batch: int) -> dict:
         """What a prefill carries from one chunk of prompt to the next: an empty cache."""
-        return {"cache": kv.init_cache(self.config, batch, self.buffer_len, jnp.dtype(self.cache_dtype))}
+        bits = self.config.cpu_kernel and jax.default_backend() == "cpu"  # see cache.BITS
+        return {"cache": kv.init_cache(self.config, batch, self.buffer_len, self.cache_dtype, bits=bits)}
 
     def resume(self, state) -> dict:
         """The carry of a finished decode state (its cache), for a prefill that continues its text (a chat's turn)."""

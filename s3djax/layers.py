@@ -86,25 +86,26 @@ def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False)
     Returns [B, T, H*D].
     """
     b, t, h, d = q.shape
-    if isinstance(mask, PromptMask):
-        return _xla_prefix_attend(q, k, v, mask)
+    step = isinstance(mask, PrefixTreeMask) and not isinstance(mask, PromptMask)
+    if step and cpu_kernel and k.dtype == v.dtype and quant.cpu_kernels_usable():
+        from cpu_kernels.attention import MAX_HEAD
+
+        if d <= MAX_HEAD:  # a cache held as bits (`cache.BITS`) goes to the kernel as it is
+            return _kernel_attend(q, k, v, mask)
+    k, v = kv.floats(k), kv.floats(v)
+    if step and impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2] and q.dtype == k.dtype:
+        from pallas_kernels.tree_attention import tree_attention
+
+        return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
     if isinstance(mask, PrefixTreeMask):
-        if impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2]:
-            from pallas_kernels.tree_attention import tree_attention
-
-            return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
-        if cpu_kernel and q.dtype == k.dtype == v.dtype and quant.cpu_kernels_usable():
-            from cpu_kernels.attention import MAX_HEAD
-
-            if d <= MAX_HEAD:
-                return _kernel_attend(q, k, v, mask)
         return _xla_prefix_attend(q, k, v, mask)
     return _xla_attend(q, k, v, mask)
 
 
 @jax.jit  # traced once per shape, not once per layer (as `quant.dot`); XLA inlines the calls
 def _kernel_attend(q, k, v, mask: PrefixTreeMask):
-    return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend, default=_xla_prefix_attend)
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=_cpu_attend,
+                                      default=lambda q, k, v, mask: _xla_prefix_attend(q, kv.floats(k), kv.floats(v), mask))
 
 
 def _cpu_attend(q, k, v, mask: PrefixTreeMask):
@@ -131,7 +132,7 @@ def _xla_attend(q, k, v, mask):
     scores = jnp.einsum("bkqd,bskd->bkqs", _grouped(q, kv_heads), k, preferred_element_type=jnp.float32) * (d ** -0.5)
     scores = jnp.where(jnp.tile(mask, (1, g, 1))[:, None], scores, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return _ungrouped(jnp.einsum("bkqs,bskd->bkqd", probs, v), t)
+    return _ungrouped(jnp.einsum("bkqs,bskd->bkqd", probs, v, preferred_element_type=q.dtype), t)
 
 
 def _grouped(q, kv_heads: int):
@@ -173,7 +174,7 @@ def _attend_prefix(q, k, v, mask: PrefixTreeMask, g: int):
             jnp.zeros(q.shape, jnp.float32))
     blocks = (jnp.minimum(mask.extent, s) + KEY_BLOCK - 1) // KEY_BLOCK
     _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
-    return (acc / l[..., None]).astype(v.dtype)
+    return (acc / l[..., None]).astype(q.dtype)
 
 
 class Attention(nn.Module):
@@ -197,8 +198,9 @@ class Attention(nn.Module):
         k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
         layer_cache = kv.write(layer_cache, k, v, slots)
-        new = (k.astype(layer_cache["k"].dtype), v.astype(layer_cache["v"].dtype))
-        out = attend(q, layer_cache["k"], layer_cache["v"], mask, new, c.attention, c.cpu_kernel)
+        held = kv.float_dtype(layer_cache["k"])
+        out = attend(q, layer_cache["k"], layer_cache["v"], mask, (k.astype(held), v.astype(held)), c.attention,
+                     c.cpu_kernel)
         return linear(self, "o", (q_size, d), out, lora), layer_cache
 
 

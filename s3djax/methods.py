@@ -48,7 +48,7 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
 
         check_mode(opts.draft_weights)
     ar = ARDecoder(m.config, max_cache_len, eos_ids=m.eos_ids, pad_id=m.tokenizer.pad_token_id or 0,
-                   sampling=sampling, cache_dtype=dtype)
+                   sampling=sampling, cache_dtype=opts.kv_dtype or dtype)
     if opts.draft_path is None and method != "ar":
         entry = registry.entries().get(m.name)
         opts = dataclasses.replace(opts, draft_path=entry.draft_path(method) if entry else None)

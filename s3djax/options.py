@@ -48,6 +48,10 @@ class Options:
                                         "target's) or int8 (int8 copies of the layers it runs alone, its head rows and "
                                         "adapter; verification keeps the target's, so the output is the same); "
                                         "default: configs/defaults.yaml")
+    kv_dtype: str | None = _option("the KV cache's dtype (every method): bfloat16 halves the bytes each step reads at a "
+                                   "long context, as llama.cpp's default f16 cache does; greedy speculative output "
+                                   "stays ar's at the same --kv-dtype (default: the weights' --dtype)",
+                                   choices=("float32", "bfloat16"))
     in_verify: str | None = _option("s3d on a chain: on drafts the next chain inside the verify pass, a draft block "
                                     "beside every drafted token, instead of in a draft step (default: "
                                     "configs/defaults.yaml)", choices=("on", "off"))

@@ -22,23 +22,29 @@ SHAPES = [(1, 1, 9, 3, 64, 2048, 1), (2, 9, 9, 3, 64, 300, 9), (1, 5, 4, 4, 96, 
 attend = jax.jit(ca.attention, static_argnums=5)
 
 
-def inputs(b, t, h, kv, d, s, w, dtype, seed=0):
+def inputs(b, t, h, kv, d, s, w, dtype, seed=0, kv_dtype=None):
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((b, t, h, d), (b, s, kv, d), (b, s, kv, d)))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), x) for shape, x in
+               (((b, t, h, d), dtype), ((b, s, kv, d), kv_dtype or dtype), ((b, s, kv, d), kv_dtype or dtype)))
     lengths = jnp.asarray(rng.integers(0, s - w, b), jnp.int32)
     tree = jnp.asarray(rng.random((b, t, w)) < 0.5) | jnp.eye(t, w, dtype=bool)[None]
     return q, k, v, lengths, tree
 
 
 def check_all():
-    """Every shape in fp32 and bf16: close to the reference; and each tree row equal, bit for bit, to the
-    same query decoded alone with its visible keys laid out contiguously, as `ar` would have them."""
-    for dtype, tol in ((jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)):
+    """Every shape in fp32, bf16, and fp32 queries over a bf16 cache: close to the reference; and each tree row
+    equal, bit for bit, to the same query decoded alone with its visible keys laid out contiguously, as `ar` would
+    have them (S = 2048 and 300 rows span several pieces of keys)."""
+    for dtype, kv_dtype, tol in ((jnp.float32, None, 2e-6), (jnp.bfloat16, None, 2e-2),
+                                 (jnp.float32, jnp.bfloat16, 2e-6)):
         for shape in SHAPES:
-            q, k, v, lengths, tree = inputs(*shape, dtype)
+            q, k, v, lengths, tree = inputs(*shape, dtype, kv_dtype=kv_dtype)
             scale = shape[4] ** -0.5
             got, want = attend(q, k, v, lengths, tree, scale), ca.reference(q, k, v, lengths, tree, scale)
             assert got.shape == q.shape and got.dtype == dtype
+            if k.dtype == jnp.bfloat16:  # a cache held as its bits (s3djax.cache.BITS) reads the same
+                bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k, v)]
+                assert (np.asarray(attend(q, *bits, lengths, tree, scale), np.float32) == np.asarray(got, np.float32)).all()
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
             for b in range(shape[0]):
                 for t in range(shape[1]):
@@ -87,7 +93,7 @@ def test_handler_refuses_bad_buffers_without_crashing():
     call = jax.ffi.ffi_call(ca.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     with pytest.raises(Exception, match="k and v must be"):
         jax.block_until_ready(call(q, k, v[:, :10], lengths, tree, scale=np.float32(0.25)))
-    with pytest.raises(Exception, match="share one dtype"):
+    with pytest.raises(Exception, match="v must have k's dtype"):
         jax.block_until_ready(call(q, k.astype(jnp.bfloat16), v, lengths, tree, scale=np.float32(0.25)))
     with pytest.raises(Exception, match="wider than 16 vectors"):
         wide = jnp.ones((1, 1, 1, 1024)), jnp.ones((1, 4, 1, 1024))

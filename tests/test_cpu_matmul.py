@@ -172,14 +172,17 @@ def test_model_logits_match_xla(smollm2):
 
 def test_speculative_methods_match_ar_on_the_kernel_in_int8():
     """Greedy s3d and kangaroo through the kernel give ar's tokens in int8, tables packed too (in fp32 the
-    kernel is the CPU's default path, which every SmolLM2 test takes)."""
+    kernel is the CPU's default path, which every SmolLM2 test takes), over a bfloat16 KV cache. The context grows
+    across the attention kernel's first piece boundary (256 keys), where a verify pass holds rows of one piece and
+    of two."""
     from s3djax.loading import load_model
 
     model = load_model("smollm2-135m", quantization="int8-all", progress=False)
-    prompt = [(7 * i) % 1000 + 100 for i in range(30)]
+    prompt = [(7 * i) % 1000 + 100 for i in range(244)]
     tokens = {}
     for method in ("ar", "s3d", "kangaroo"):
-        built = methods.build(method, on_path(model, True), max_cache_len=128)
+        built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16")
+        assert getattr(built.decoder, "ar", built.decoder).cache_dtype == "bfloat16"
         tokens[method] = Runner(built.decoder, built.params).generate(prompt, 24).tokens
     assert tokens["s3d"] == tokens["ar"] == tokens["kangaroo"]
     assert len(tokens["ar"]) == 24

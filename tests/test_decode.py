@@ -188,3 +188,26 @@ def test_a_continued_prefill_reuses_the_cache_and_equals_the_sequence_from_scrat
     got = runner.generate(turn, 10, prior=(first.state, reused))
     assert got.tokens == naive_greedy(tiny_params, TINY, turn, 10) == runner.generate(turn, 10).tokens
     assert first.tokens != got.tokens  # the turns differ: the comparison is not between constants
+
+
+def test_a_bfloat16_cache_is_held_as_bits_and_updated_in_place_on_the_cpu(tiny_params):
+    """XLA:CPU widens a bfloat16 dynamic-update-slice to fp32 and back, a copy of the whole cache a layer every step:
+    the decode loop's body must neither convert nor copy the cache."""
+    from cpu_kernels import matmul as cm
+
+    if cm.unavailable() is not None:
+        pytest.skip(f"CPU kernel: {cm.unavailable()}")
+    d = ARDecoder(TINY, 64, eos_ids=(), cache_dtype="bfloat16")
+    runner = Runner(d, tiny_params)
+    state = runner.prefill([5, 6, 7])
+    assert state["cache"][0]["k"].dtype == jnp.uint16
+    shape = "{}[{}]".format("u16", ",".join(map(str, state["cache"][0]["k"].shape)))
+    hlo = jax.jit(d.decode, donate_argnums=1).lower(tiny_params, state, jnp.int32(0)).compile().as_text()
+    computation, offending = None, []
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            computation = line
+        elif not computation.startswith("ENTRY") and (" convert(" in line or " copy(" in line) and \
+                ("bf16[" + shape[4:] in line or "f32[" + shape[4:] in line or shape in line):
+            offending.append(line.strip()[:120])
+    assert offending == []

@@ -130,7 +130,7 @@ class KangarooDrafter(ChainDrafter):
                                                      cache, jnp.zeros((b,), jnp.int32), kv.prompt_chunk(
                                                          jnp.zeros((b,), jnp.int32), 1))[0])
         return {"exit": jnp.zeros((b, self.tree.num_nodes, exits.shape[-1]), exits.dtype),
-                "adapter": kv.init_cache(self.config, b, kv.cache_len(cache), cache[0]["k"].dtype)[0],
+                "adapter": kv.init_cache(self.config, b, kv.cache_len(cache), **kv.layout(cache))[0],
                 "length": jnp.zeros((b,), jnp.int32)}
 
     def prefill(self, params, draft, state, cache, tokens, start):

@@ -150,7 +150,7 @@ class S2DDrafter(ChainDrafter):
 
     def init_state(self, params, draft, cache):
         b, s = cache[0]["k"].shape[0], kv.cache_len(cache)
-        return {"cache": kv.init_cache(self.config.replace(num_layers=self.exits[-1]), b, s, cache[0]["k"].dtype),
+        return {"cache": kv.init_cache(self.config.replace(num_layers=self.exits[-1]), b, s, **kv.layout(cache)),
                 "history": jnp.zeros((b, s), jnp.int32),                  # committed token ids by slot
                 "reached": jnp.full((b, s), len(self.exits), jnp.int32),  # segments each slot's K/V cover
                 "exit_counts": jnp.zeros(len(self.exits), jnp.int32)}     # drafted tokens per exit
