@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import types
-from unittest import mock
 
 from s3djax.cli import Parser, run
 
@@ -92,9 +91,8 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
 
     def build(method, **options):
         # Without the GPU layout, methods.build keeps the weights as loaded: [in, out], q, k and v apart.
-        with mock.patch.object(quant, "lay_out_for_gpu", quant.lay_out_for_gpu if s.transposed else lambda p: p):
-            return methods.build(method, loaded, max_cache_len=max_cache, dtype="bfloat16",
-                                 **({"draft_path": "none"} if quick else {}), **options)
+        return methods.build(method, loaded, max_cache_len=max_cache, dtype="bfloat16", gpu_layout=s.transposed,
+                             **({"draft_path": "none"} if quick else {}), **options)
 
     ar = build("ar")
     laid_out = any(isinstance(w, quant.Transposed) for w in jax.tree.leaves(ar.params, is_leaf=quant.is_weight))

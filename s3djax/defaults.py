@@ -76,14 +76,18 @@ def read_acceptance(path: str) -> dict:
 
 
 def write_acceptance(path: str, table: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(table, f, indent=1)
-    os.replace(tmp, path)
+    user_cache.write_json(path, table)
 
 
 def file_sha256(path: str) -> str:
+    """The file's SHA-256, read once per version of the file in a process (a draft is about 19 MB; every s3d build
+    asks)."""
+    st = os.stat(path)
+    return _sha256(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _sha256(path: str, mtime_ns: int, size: int) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 

@@ -33,11 +33,11 @@ def options(args, method: str) -> dict:
 
 
 def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling = Sampling(),
-          dtype: str = "float32", measure: bool = True, **options) -> Built:
+          dtype: str = "float32", measure: bool = True, gpu_layout: bool | None = None, **options) -> Built:
     """Options: see `Options`. draft_path: a trained draft (or a plan or adapter) file; None takes the
     model's shipped one if it has one, and "none" the untrained draft where the method has one. measure: a chain
     depth left unset may be timed on this machine (`s3djax.defaults`); False takes what is cached, else the data
-    file's."""
+    file's. gpu_layout: weights laid out for a GPU (`quant.lay_out_for_gpu`); None: where the backend is one."""
     if method not in BUILDERS:
         raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     opts = Options.checked(options)
@@ -58,7 +58,7 @@ def build(method: str, m: LoadedModel, *, max_cache_len: int, sampling: Sampling
         built = giving_way(built, opts, method)
     if m.config.cpu_kernel:
         built.params = quant.pack_for_cpu(built.params)
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" if gpu_layout is None else gpu_layout:
         built.params = quant.lay_out_for_gpu(built.params)
     return built
 

@@ -33,14 +33,19 @@ def read_table(name: str, valid) -> dict:
         return {}
 
 
+def write_json(file: str, obj) -> None:
+    """`obj` as JSON at `file`, written whole or not at all (a temporary file renamed over the old one)."""
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    tmp = f"{file}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, file)
+
+
 def write_table(name: str, table: dict) -> None:
-    """Written whole or not at all (a temporary file renamed over the old one)."""
+    """Written whole or not at all; a cache that cannot be written says so."""
     file = path(name)
     try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        tmp = f"{file}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(table, f, indent=1)
-        os.replace(tmp, file)
+        write_json(file, table)
     except OSError as e:
         print(f"note: cannot save {file} ({e.strerror}); measuring again next time", file=sys.stderr)
