@@ -41,10 +41,11 @@ def reference(q, k, v, lengths, tree, scale: float):
 
 def attention(q, k, v, lengths, tree, scale: float):
     """`reference` through the native kernel (the CPU only; register it first with `matmul.usable`)."""
-    if q.dtype not in DTYPES or k.dtype not in (*DTYPES, jnp.uint16) or v.dtype != k.dtype or q.ndim != 4 or k.shape != v.shape \
-            or k.ndim != 4 or q.shape[2] % k.shape[2] or tree.shape[:2] != q.shape[:2]:
+    if q.dtype not in DTYPES or k.dtype not in (*DTYPES, jnp.uint16) or v.dtype != k.dtype or q.ndim != 4 \
+            or k.shape != v.shape or k.ndim != 4 or q.shape[2] % k.shape[2] or tree.shape[:2] != q.shape[:2]:
         raise ValueError(f"CPU attention takes q [B, T, H, D] and k, v [B, S, KV, D] (k and v of one float dtype, or "
-                         f"uint16 holding bfloat16 bits; q of one float dtype) with KV dividing H, and tree [B, T, W]; got {q.dtype.name} {q.shape}, {k.dtype.name} {k.shape}, "
-                         f"{v.dtype.name} {v.shape}, tree {tree.shape}")
+                         f"uint16 holding bfloat16 bits; q of one float dtype) with KV dividing H, and tree [B, T, W]; "
+                         f"got {q.dtype.name} {q.shape}, {k.dtype.name} {k.shape}, {v.dtype.name} {v.shape}, "
+                         f"tree {tree.shape}")
     return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
         q, k, v, lengths.astype(jnp.int32), tree.astype(bool), scale=np.float32(scale))

@@ -29,15 +29,14 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
     return [{"k": jnp.zeros(shape, held), "v": jnp.zeros(shape, held)} for _ in range(config.num_layers)]
 
 
-def layout(cache) -> dict:
-    """`init_cache`'s dtype and bits for another cache held as `cache` is (a drafter's own beside the target's)."""
-    held = cache[0]["k"].dtype
-    return dict(dtype=FLOATS.get(held, held), bits=held in FLOATS)
-
-
 def float_dtype(x):
     """The float dtype of a cache array, held as bits or not."""
     return FLOATS.get(x.dtype, x.dtype)
+
+
+def layout(cache) -> dict:
+    """`init_cache`'s dtype and bits for another cache held as `cache` is (a drafter's own beside the target's)."""
+    return dict(dtype=float_dtype(cache[0]["k"]), bits=cache[0]["k"].dtype in FLOATS)
 
 
 def floats(x):
@@ -52,9 +51,8 @@ def cache_len(cache) -> int:
 @jax.jit  # traced once per shape, not once per layer (as `quant.dot`)
 def put_rows(buf, new, starts):
     """Write new [B, T, ...] into buf [B, S, ...] from each row's own start (starts: [B]), in buf's dtype."""
-    if buf.dtype in FLOATS:
-        new = jax.lax.bitcast_convert_type(new.astype(FLOATS[buf.dtype]), buf.dtype)
-    new = new.astype(buf.dtype)
+    held = float_dtype(buf)
+    new = new.astype(held) if held == buf.dtype else jax.lax.bitcast_convert_type(new.astype(held), buf.dtype)
     return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(buf, new, starts)
 
 
