@@ -39,11 +39,13 @@ class Setting:
     graphs: bool              # WHILE and CONDITIONAL in command buffers (compile_options.COMMAND_BUFFERS)
     quant: str = "none"
     s3d: bool = False         # also S3D's draft and verify steps, and the 64-node tree's verify
+    alone: int | None = None  # pallas_kernels.tree_attention.ALONE (0: split every cache, as before 2026-11-29)
 
     def about(self) -> str:
         return (f"{self.attention} attention, {'[out, in] linears, q/k/v joined' if self.transposed else '[in, out] linears'}, "
                 f"{'whole-loop graphs' if self.graphs else 'XLA default graphs'}"
-                + (f", {self.quant} weights" if self.quant != "none" else ""))
+                + (f", {self.quant} weights" if self.quant != "none" else "")
+                + (f", attention split past {self.alone} keys x head dim" if self.alone is not None else ""))
 
 
 # In priority order: the new defaults first, then what the first lease ran, then one change at a time.
@@ -52,6 +54,7 @@ SETTINGS = {
     "smollm2/lease1": Setting("smollm2-135m", "xla", False, False),
     "7b/new": Setting("llama-2-7b", "pallas", True, True, s3d=True),
     "7b/lease1": Setting("llama-2-7b", "xla", False, False),
+    "smollm2/split": Setting("smollm2-135m", "pallas", True, True, alone=0),
     "smollm2/xla-transposed": Setting("smollm2-135m", "xla", True, False),
     "smollm2/pallas-transposed": Setting("smollm2-135m", "pallas", True, False),
     "smollm2/xla-transposed-graphs": Setting("smollm2-135m", "xla", True, True),
@@ -76,6 +79,10 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
     from s3djax.speculative.profile import step_times
 
     s = SETTINGS[name]
+    if s.alone is not None:
+        from pallas_kernels import tree_attention
+
+        tree_attention.ALONE = s.alone
     os.environ[compile_options.ENV] = compile_options.COMMAND_BUFFERS if s.graphs else compile_options.XLA_DEFAULT
     config = dataclasses.replace(registry.entries()[s.model].config(), attention=s.attention, cpu_kernel=False)
     if quick:

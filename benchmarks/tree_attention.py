@@ -39,7 +39,7 @@ def main():
     if args.quick:
         models = {"smollm2 (9/3 heads, d64)": models["smollm2 (9/3 heads, d64)"]}
     def xla(q, kc, vc, length, kn, vn, tree):  # what the model runs with attention="xla"
-        return attend(q, kc, vc, PrefixTreeMask(length, tree), (kn, vn), "xla")
+        return attend(q, kc, vc, PrefixTreeMask(length, tree))
 
     def jax_decode(q, kc, vc, length, kn, vn, tree):  # jax's own GPU decode kernel: one query, the prefix only
         return decode_attention.gqa(q[:, 0], kc, vc, kv_seq_len=length, interpret=jax.default_backend() == "cpu")

@@ -7,12 +7,16 @@ blocks, so blocks past it are never read and a new length compiles nothing.
 Layout (flash-decoding): the grid is (batch, KV head, split). A program takes every query row of
 one KV head's group ([G*T, D], so each K/V block is loaded once per group), walks its share of
 the prefix blocks with an online softmax, and writes an unnormalised partial (acc, max, sum).
-Split 0 also takes the T new keys under the tree mask. `combine` merges the splits.
+Split 0 also takes the T new keys under the tree mask. `combine` merges the splits (one split: a
+division, which XLA fuses into the next product).
+
+Given the new tokens' slots, split 0 also writes their keys and values into the caches, which come back updated in
+place (aliased): on a GPU each separate cache write was a kernel launch of its own, two a layer every step.
 
 Triton wants every array a power of two, so query rows, new keys and the head dim are padded to
-one (Phi-3's 96 to 128). Neither the cache nor the new keys are copied for it: their blocks overhang
-the real head dim (and the new keys' block the real T), and the kernel masks the loads past them, which,
-zero, add nothing to q.k or p@v. Only the queries are padded, in the fusion that groups their rows.
+one (Phi-3's 96 to 128). The cache is not copied for it: its blocks overhang the real head dim, and the
+kernel masks the loads past it, which, zero, add nothing to q.k or p@v. The queries and the new keys and
+values are padded with zeros into one operand, by the one fusion that groups the query rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 
@@ -47,8 +52,9 @@ def reference(q, k_cache, v_cache, lengths, k_new, v_new, tree):
     return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), vv).astype(q.dtype)
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m_ref, l_ref, *,
-            block_k: int, blocks_per_split: int, head_dim: int, new_tokens: int, scale: float):
+def _kernel(*refs, block_k: int, splits: int, head_dim: int, new_tokens: int, scale: float, write: bool):
+    lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref = refs[:7]
+    slots_ref, (o_ref, m_ref, l_ref), caches = (refs[7], refs[8:11], refs[11:]) if write else (None, refs[7:10], ())
     b, split = pl.program_id(0), pl.program_id(2)
     length = lengths_ref[b]
     s_len = k_ref.shape[0]
@@ -75,18 +81,40 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, tree_ref, o_ref, m
                       common.masked_load(v_ref.at[span, :], columns), jnp.broadcast_to(visible, (rows, block_k)))
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    first = split * blocks_per_split
-    last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_k))
+    # The splits share the blocks below the run-time length, so each walks its part at any length.
+    blocks = pl.cdiv(length, block_k)
+    per_split = pl.cdiv(blocks, splits)
+    first = split * per_split
+    last = jnp.minimum(first + per_split, blocks)
     carry = jax.lax.fori_loop(first, jnp.maximum(first, last), prefix_block, carry)
-    # The new keys belong to split 0 alone; the other splits add nothing for them.
+    # The new keys belong to split 0 alone; the other splits add nothing for them. Their padding is zeros, masked.
     own = tree_ref[...] & (split == 0)
-    t_p = kn_ref.shape[0]
-    new = columns if new_tokens == t_p else (jax.lax.broadcasted_iota(jnp.int32, (t_p, 1), 0) < new_tokens) & (
-        True if columns is None else columns)
-    acc, m, l = attend(carry, common.masked_load(kn_ref, new), common.masked_load(vn_ref, new), own)
+    acc, m, l = attend(carry, kn_ref[...], vn_ref[...], own)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
+    if write:
+        _write_new_rows(slots_ref[b], s_len, new_tokens, columns, split, (kn_ref, vn_ref), caches)
+
+
+def _write_new_rows(slot, s_len: int, new_tokens: int, columns, split, news, caches):
+    """Split 0 copies the new keys and values into its KV head of the caches, row by row (a block of the T rows
+    would be a power of two, past T), from `slot` moved back to fit as `dynamic_update_slice` moves it. The other
+    splits read the caches below their length alone, and these rows lie at or past it."""
+    start = jnp.minimum(slot, s_len - new_tokens)
+
+    @pl.when(split == 0)
+    def _():
+        def row(i, carry):
+            for new, cache in zip(news, caches):
+                value = new[pl.ds(i, 1), :]
+                if columns is None:
+                    cache[pl.ds(start + i, 1), :] = value
+                else:
+                    plgpu.store(cache.at[pl.ds(start + i, 1), :], value, mask=columns)
+            return carry
+
+        jax.lax.fori_loop(0, new_tokens, row, 0)
 
 
 def combine(acc, m, l):
@@ -96,34 +124,48 @@ def combine(acc, m, l):
     return (acc * w[..., None]).sum(axis=-3) / (l * w).sum(axis=-2)[..., None]
 
 
-def choose_blocks(cache_len: int, rows: int) -> tuple[int, int]:
-    """(block_k, splits): 128-key blocks (or the whole buffer when shorter), and enough splits that a
-    single sequence gives every KV head several programs while each split still walks a few blocks."""
+# The most of one KV head's cache (keys x head dim: 2,048 keys of 64) a program reads alone. A longer cache is split
+# across programs, whose partials a second launch merges; on a GPU a small model's step is bound by its launches
+# (docs/gpu-compile.md), and below this the merge costs about what the split saves.
+ALONE = 2048 * 64
+
+
+def choose_blocks(cache_len: int, rows: int, head_dim: int = 64) -> tuple[int, int]:
+    """(block_k, splits): 128-key blocks (or the whole buffer when shorter); one split up to `ALONE`, else enough
+    that a single sequence gives every KV head several programs while each split still walks a few blocks."""
     block_k = min(128, 1 << (cache_len.bit_length() - 1))
     blocks = pl.cdiv(cache_len, block_k)
+    if cache_len * head_dim <= ALONE:
+        return block_k, 1
     splits = max(1, min(16, blocks // 4)) if rows <= 64 else max(1, min(4, blocks // 8))
     return block_k, splits
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "splits", "backend", "poison"))
-def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k: int | None = None,
+def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, slots=None, *, block_k: int | None = None,
                    splits: int | None = None, backend: str | None = None, poison: bool = False):
-    """The Pallas kernel with `reference`'s signature. backend: one of `common.BACKENDS`, or None for
-    the one that fits the platform lowered for (see `common`). `poison` fills the output buffers with
-    NaN before the call (a test that every element gets written)."""
+    """The Pallas kernel with `reference`'s signature. `slots` [B]: also write k_new and v_new into the caches from
+    each row's slot (where `dynamic_update_slice` would), and return (out, k_cache, v_cache), the caches updated in
+    place. backend: one of `common.BACKENDS`, or None for the one that fits the platform lowered for (see `common`).
+    `poison` fills the attention's output buffers with NaN before the call (a test that every element gets
+    written)."""
     b, t, h, d = q.shape
     s, kv_heads = k_cache.shape[1], k_cache.shape[2]
     g = h // kv_heads
     rows = g * t
-    auto_block, auto_splits = choose_blocks(s, rows)
+    auto_block, auto_splits = choose_blocks(s, rows, d)
     block_k, splits = block_k or auto_block, splits or auto_splits
-    blocks_per_split = pl.cdiv(pl.cdiv(s, block_k), splits)
     # Rows are (group member, token), the same folding as s3djax.layers.attend. Rows, new keys and
-    # the head dim take powers of two of at least 16, as Triton's dot needs: the query rows padded, the
-    # new keys' and the head dim's blocks overhanging; padded keys are masked out, rows and columns dropped.
+    # the head dim take powers of two of at least 16, as Triton's dot needs: the queries and new keys padded, the
+    # cache's head dim overhung; padded keys are masked out, rows and columns dropped.
     rows_p, t_p, d_p = _padded(rows), _padded(t), _padded(d)
+    if k_new.dtype != q.dtype or v_new.dtype != q.dtype:
+        raise ValueError(f"queries ({q.dtype}) and new keys and values ({k_new.dtype}, {v_new.dtype}) differ in dtype")
+    # One operand [B, K, R + 2 T, D] holds each KV head's query rows, then its new keys, then its new values, zero
+    # padded: made by one fusion (on a GPU, one launch where three pads and slices were).
     qr = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, rows, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - rows), (0, d_p - d)))
+    packed = jnp.concatenate([jnp.pad(x, ((0, 0), (0, 0), (0, n - x.shape[2]), (0, d_p - d))) for x, n in
+                              ((qr, rows_p), (k_new.transpose(0, 2, 1, 3), t_p), (v_new.transpose(0, 2, 1, 3), t_p))], axis=2)
     tree_rows = jnp.pad(jnp.tile(tree, (1, g, 1)), ((0, 0), (0, rows_p - rows), (0, t_p - t)))  # [B, R, T]
     rows, t = rows_p, t_p
     out_shape = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d_p), jnp.float32),
@@ -137,36 +179,46 @@ def tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree, *, block_k:
         # A head dim that is no power of two is overhung, and the kernel masks the columns past it.
         pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
         pl.BlockSpec((sq, s, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
-        # The new keys too ([B, T, K, D], one KV head's [T, D]), their block overhanging T as well.
-        pl.BlockSpec((sq, t, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
-        pl.BlockSpec((sq, t, sq, d_p), lambda i, j, k: (i, 0, j, 0)),
+        # The new keys and values: blocks of T rows of the packed operand, after the R query rows (R, a power of two
+        # no smaller than T, is a whole number of them).
+        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, rows // t, 0)),
+        pl.BlockSpec((sq, sq, t, d_p), lambda i, j, k: (i, j, rows // t + 1, 0)),
         pl.BlockSpec((sq, rows, t), lambda i, j, k: (i, 0, 0)),
     ]
     out_specs = [pl.BlockSpec((sq, sq, sq, rows, d_p), lambda i, j, k: (i, j, k, 0, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0)),
                  pl.BlockSpec((sq, sq, sq, rows), lambda i, j, k: (i, j, k, 0))]
-    args = [lengths.astype(jnp.int32), qr, k_cache, v_cache, k_new, v_new, tree_rows]
+    args = [lengths.astype(jnp.int32), packed, k_cache, v_cache, packed, packed, tree_rows]
+    write = slots is not None
     aliases = {}
+    if write:  # the caches, inputs 2 and 3, are outputs 3 and 4 as well
+        args.append(slots.astype(jnp.int32))
+        in_specs.append(in_specs[0])
+        out_shape += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        out_specs += in_specs[2:4]
+        aliases = {2: 3, 3: 4}
+    inputs = len(args)
     if poison:
-        args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
-        in_specs += out_specs
-        aliases = {len(args) - 3 + i: i for i in range(3)}
-    kernel = functools.partial(_kernel, block_k=block_k, blocks_per_split=blocks_per_split, head_dim=d,
-                               new_tokens=q.shape[1], scale=d ** -0.5)
+        args += [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape[:3]]
+        in_specs += out_specs[:3]
+        aliases.update({inputs + i: i for i in range(3)})
+    kernel = functools.partial(_kernel, block_k=block_k, splits=splits, head_dim=d,
+                               new_tokens=q.shape[1], scale=d ** -0.5, write=write)
     if poison:
-        kernel = functools.partial(_drop_aliased_inputs, kernel)
-    acc, m, l = common.pallas_call(kernel, backend, num_warps=4, num_stages=2, out_shape=out_shape,
-                                   grid=(b, kv_heads, splits), in_specs=in_specs, out_specs=out_specs,
-                                   input_output_aliases=aliases, name="tree_attention")(*args)
+        kernel = functools.partial(_drop_aliased_inputs, kernel, inputs)
+    acc, m, l, *caches = common.pallas_call(kernel, backend, num_warps=4, num_stages=2, out_shape=out_shape,
+                                            grid=(b, kv_heads, splits), in_specs=in_specs, out_specs=out_specs,
+                                            input_output_aliases=aliases, name="tree_attention")(*args)
     out = combine(acc, m, l)[:, :, :g * q.shape[1], :d]                               # [B, K, G*T, D]
     t = q.shape[1]
-    return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    out = out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return (out, *caches) if write else out
 
 
 def _padded(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _drop_aliased_inputs(kernel, *refs):
-    # Aliased output buffers also arrive as inputs; the kernel only writes them.
-    return kernel(*refs[:7], *refs[-3:])
+def _drop_aliased_inputs(kernel, inputs: int, *refs):
+    # The poisoned output buffers also arrive as inputs, after the real ones; the kernel only writes them.
+    return kernel(*refs[:inputs], *refs[inputs + 3:])

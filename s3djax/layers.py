@@ -75,28 +75,49 @@ def apply_rope(x, cos, sin):
 KEY_BLOCK = 128  # keys per step of the occupied-prefix loop
 
 
-def attend(q, k, v, mask, new=None, impl: str = "xla", cpu_kernel: bool = False):
+def write_and_attend(q, k, v, layer_cache: dict, slots, mask, impl: str = "xla", cpu_kernel: bool = False):
+    """Writes the new K/V [B, T, K, D] into the layer's cache from `slots` [B], then `attend`s q over it.
+
+    The Pallas kernel (`impl="pallas"`, a decode step's square tree) does both in one launch: it takes the new
+    keys apart from the cache anyway. Returns (out [B, T, H*D], layer_cache).
+    """
+    b, t, h, d = q.shape
+    held = kv.float_dtype(layer_cache["k"])
+    k, v = k.astype(held), v.astype(held)
+    if (impl == "pallas" and _step(mask) and mask.tree.shape[1] == mask.tree.shape[2] and not _on_cpu_kernel(cpu_kernel)
+            and q.dtype == layer_cache["k"].dtype == held):
+        from pallas_kernels.tree_attention import tree_attention
+
+        out, kc, vc = tree_attention(q, layer_cache["k"], layer_cache["v"], mask.lengths, k, v, mask.tree, slots)
+        return out.reshape(b, t, h * d), {"k": kc, "v": vc}
+    layer_cache = kv.write(layer_cache, k, v, slots)
+    return attend(q, layer_cache["k"], layer_cache["v"], mask, cpu_kernel), layer_cache
+
+
+def _step(mask) -> bool:
+    """A decode-time step's mask (a prompt's chunk is not one)."""
+    return isinstance(mask, PrefixTreeMask) and not isinstance(mask, PromptMask)
+
+
+def _on_cpu_kernel(cpu_kernel: bool) -> bool:
+    return cpu_kernel and quant.cpu_kernels_usable()
+
+
+def attend(q, k, v, mask, cpu_kernel: bool = False):
     """Grouped-query attention of new queries over the cache.
 
     q: [B, T, H, D]; k, v: [B, S, K, D]; mask: [B, T, S] bool (True: may attend), or a
-    `PrefixTreeMask` (every decode-time step), which reads only the occupied prefix: the Pallas
-    tree-attention kernel (`impl="pallas"`, given the new tokens' own K/V `new` = (k, v)
-    [B, T, K, D]), on the CPU the native kernel (`cpu_kernel`, `cpu_kernels.attention`), or XLA in
-    key blocks up to the run-time length, so a step's cost does not grow with the cache's size.
-    Returns [B, T, H*D].
+    `PrefixTreeMask` (every decode-time step), which reads only the occupied prefix: on the CPU the
+    native kernel (`cpu_kernel`, `cpu_kernels.attention`), or XLA in key blocks up to the run-time
+    length, so a step's cost does not grow with the cache's size. Returns [B, T, H*D].
     """
-    b, t, h, d = q.shape
-    step = isinstance(mask, PrefixTreeMask) and not isinstance(mask, PromptMask)
-    if step and cpu_kernel and k.dtype == v.dtype and quant.cpu_kernels_usable():
+    d = q.shape[-1]
+    if _step(mask) and _on_cpu_kernel(cpu_kernel) and k.dtype == v.dtype:
         from cpu_kernels.attention import MAX_HEAD
 
         if d <= MAX_HEAD:  # a cache held as bits (`cache.BITS`) goes to the kernel as it is
             return _kernel_attend(q, k, v, mask)
     k, v = kv.floats(k), kv.floats(v)
-    if step and impl == "pallas" and mask.tree.shape[1] == mask.tree.shape[2] and q.dtype == k.dtype:
-        from pallas_kernels.tree_attention import tree_attention
-
-        return tree_attention(q, k, v, mask.lengths, *new, mask.tree).reshape(b, t, h * d)
     if isinstance(mask, PrefixTreeMask):
         return _xla_prefix_attend(q, k, v, mask)
     return _xla_attend(q, k, v, mask)
@@ -197,10 +218,7 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-        layer_cache = kv.write(layer_cache, k, v, slots)
-        held = kv.float_dtype(layer_cache["k"])
-        out = attend(q, layer_cache["k"], layer_cache["v"], mask, (k.astype(held), v.astype(held)), c.attention,
-                     c.cpu_kernel)
+        out, layer_cache = write_and_attend(q, k, v, layer_cache, slots, mask, c.attention, c.cpu_kernel)
         return linear(self, "o", (q_size, d), out, lora), layer_cache
 
 

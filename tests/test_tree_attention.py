@@ -78,6 +78,20 @@ class TestTreeAttention:
             np.testing.assert_allclose(out, reference(q, kc, vc, jnp.asarray([length]), kn, vn, tree), atol=FP32,
                                        rtol=FP32)
 
+    @pytest.mark.parametrize("d, dtype", [(64, jnp.float32), (96, jnp.bfloat16)], ids=["d64-fp32", "d96-bf16"])
+    def test_given_slots_it_writes_the_new_rows_where_the_cache_write_would(self, d, dtype):
+        # On a GPU the cache write is then no launch of its own. Row 1's slot runs past the buffer's end: its rows
+        # move back to fit, as dynamic_update_slice moves them (a runner never lets that happen).
+        q, kc, vc, kn, vn, tree = inputs(2, 5, 9, 3, d, 300, dtype, 7)
+        lengths, slots = jnp.asarray([17, 211], jnp.int32), jnp.asarray([17, 298], jnp.int32)
+        out, k2, v2 = tree_attention(q, kc, vc, lengths, kn, vn, tree, slots)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference(q, kc, vc, lengths, kn, vn, tree), np.float32),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        for got, cache, new in ((k2, kc, kn), (v2, vc, vn)):
+            want = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, slots)
+            assert got.dtype == cache.dtype and not np.array_equal(want, cache)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
     def test_a_new_prefix_length_compiles_nothing(self, compiles):
         q, kc, vc, kn, vn, tree = inputs(1, 4, 4, 2, 64, 256, jnp.float32, 4)
         tree_attention(q, kc, vc, jnp.asarray([10]), kn, vn, tree).block_until_ready()
@@ -88,21 +102,25 @@ class TestTreeAttention:
 
 
 @pytest.mark.parametrize("d", [64, 96])
-def test_the_cache_and_new_keys_reach_the_kernel_as_is(d):
-    # Traced for the GPU path (nothing is lowered): a head dim or a T that is no power of two pads the
-    # queries alone; the kernel reads the cache and the new keys in place (a pad is a kernel launch).
+def test_the_cache_reaches_the_kernel_as_is_and_the_new_rows_in_one_operand(d):
+    # Traced for the GPU path (nothing is lowered): the kernel reads the cache in place whatever its head dim, and
+    # the queries, new keys and new values padded into one operand (on a GPU each pad or copy is a launch).
     q, cache, new = (jax.ShapeDtypeStruct((1, t, heads, d), jnp.bfloat16) for t, heads in ((5, 9), (516, 3), (5, 3)))
     trace = jax.make_jaxpr(lambda *a: tree_attention(*a, backend="triton"))
     lengths, tree = jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((1, 5, 5), jnp.bool_)
     inner = trace(q, cache, cache, lengths, new, new, tree).jaxpr.eqns[0].params["jaxpr"]                # the jit
     [call] = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
-    assert call.invars[2:6] == inner.invars[1:3] + inner.invars[4:6]
+    assert call.invars[2:4] == inner.invars[1:3]
+    assert call.invars[1] is call.invars[4] is call.invars[5] and call.invars[1].aval.shape == (1, 3, 16 + 2 * 16, 64 if d == 64 else 128)
 
 
-def test_block_choice_fits_the_buffer():
+def test_block_choice_fits_the_buffer_and_splits_only_a_long_cache():
     for s in (16, 100, 516, 2048, 8192):
         block_k, splits = choose_blocks(s, 64)
         assert block_k <= s and block_k & (block_k - 1) == 0 and splits >= 1
+    # SmolLM2's default 2,048-slot cache in one program a KV head (no merge to launch); 8,192 slots, or a 7B's heads of
+    # 128, across several.
+    assert choose_blocks(2048, 3, 64)[1] == 1 and choose_blocks(8192, 3, 64)[1] > 1 and choose_blocks(2048, 1, 128)[1] > 1
 
 
 @pytest.mark.parametrize("tree_name, gamma", [("chain", 4), ("tree-16", 4)])
