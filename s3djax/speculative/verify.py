@@ -123,27 +123,31 @@ def accept(logits, last, nodes, valid, *, tree: TreeArrays, sampling: Sampling =
 
 
 def verify(params, cache, length, last, nodes, valid, *, config: ModelConfig, tree: TreeArrays,
-           sampling: Sampling = Sampling(), child_probs=None, key=None):
+           sampling: Sampling = Sampling(), child_probs=None, key=None, chain: bool = False):
     """score + settle: (cache with the accepted path committed, accepted [B], emitted, path)."""
     logits, cache = score(params, cache, length, last, nodes, config=config, tree=tree)
     return settle(logits, cache, length, last, nodes, valid, tree=tree, sampling=sampling, child_probs=child_probs,
-                  key=key)
+                  key=key, chain=chain)
 
 
 def settle(logits, cache, length, last, nodes, valid, *, tree: TreeArrays, sampling: Sampling = Sampling(),
-           child_probs=None, key=None):
-    """accept + commit over scored nodes: (cache with the accepted path committed, accepted [B], emitted, path)."""
+           child_probs=None, key=None, chain: bool = False):
+    """accept + commit over scored nodes: (cache with the accepted path committed, accepted [B], emitted, path).
+    `chain`: `tree` is a chain (static), whose commit moves nothing."""
     accepted, emitted, path = accept(logits, last, nodes, valid, tree=tree, sampling=sampling,
                                      child_probs=child_probs, key=key)
-    return commit_path(cache, length, path, tree.num_nodes), accepted, emitted, path
+    return commit_path(cache, length, path, tree.num_nodes, chain), accepted, emitted, path
 
 
-def commit_path(cache, length, path, num_nodes: int):
+def commit_path(cache, length, path, num_nodes: int, chain: bool = False):
     """Move the K/V of the accepted path (node indices [B, D+1], root first) to slots length .. length+D.
 
     Entries past the accepted depth repeat the deepest node: they land beyond the new length, where
-    nothing reads them.
+    nothing reads them. A chain's accepted nodes sit in those slots already, so with `chain` nothing moves (on a GPU
+    the moves were two launches a layer every step).
     """
+    if chain:
+        return cache
 
     def move(buf, start, idx):
         slab = jax.lax.dynamic_slice_in_dim(buf, start, num_nodes, axis=0)

@@ -25,6 +25,11 @@ class Drafter:
         return state
 
     @property
+    def chain(self) -> bool:
+        """Whether every step drafts one chain (a static tree of width 1): verification then moves no K/V."""
+        return getattr(self.tree, "spine_width", None) == 1
+
+    @property
     def scratch_nodes(self) -> int:
         """Cache slots a step writes past the committed length: the draft block's or the tree's."""
         return max(self.tree.num_nodes, self.gamma)
@@ -59,7 +64,7 @@ class Drafter:
         tree = self.tree_arrays(state, last.shape[0])
         logits, cache = self.score(params, cache, length, last, nodes, state, tree)
         return (*verify.settle(logits, cache, length, last, nodes, valid, tree=tree, sampling=sampling,
-                               child_probs=child_probs, key=key), state)
+                               child_probs=child_probs, key=key, chain=self.chain), state)
 
     def update(self, state, length, accepted, path, emitted):
         return state

@@ -196,7 +196,7 @@ class KangarooDrafter(ChainDrafter):
 
     def update(self, state, length, accepted, path, emitted):
         # The adapter K/V of the committed nodes were written while drafting them: move them like the target's.
-        layer = verify.commit_path([state["adapter"]], length, path, self.tree.num_nodes)[0]
+        layer = verify.commit_path([state["adapter"]], length, path, self.tree.num_nodes, self.chain)[0]
         return {**state, "adapter": layer}
 
 

@@ -95,7 +95,7 @@ class InVerifyS3DDrafter(S3DDrafter):
             key, draw_key = jax.random.split(key)
         cache, accepted, emitted, path = verify.settle(logits, cache, length, last, nodes, valid,
                                                        tree=self.tree.arrays(b), sampling=sampling,
-                                                       child_probs=child_probs, key=key)
+                                                       child_probs=child_probs, key=key, chain=self.chain)
         # The branch of the deepest accepted anchor drafted the k tokens after the bonus token, which a previous-token
         # correction now knows.
         rows = jnp.arange(b)
