@@ -229,8 +229,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, h, lora=None):
         d, f = self.config.hidden_size, self.config.intermediate_size
-        if self.config.arch == "phi3":
+        if self.config.arch == "phi3" or self.has_variable("params", "gate_up"):
             gate, up = jnp.split(linear(self, "gate_up", (d, 2 * f), h, lora), 2, axis=-1)
+            if self.config.arch != "phi3":  # a Llama's gate and up joined for a GPU (quant.lay_out_for_gpu)
+                gate, up = (x if (u := lora_update(h, lora, name, self.config.cpu_kernel)) is None else x + u
+                            for name, x in (("gate", gate), ("up", up)))
         else:
             gate, up = linear(self, "gate", (d, f), h, lora), linear(self, "up", (d, f), h, lora)
         return linear(self, "down", (f, d), jax.nn.silu(gate) * up, lora)

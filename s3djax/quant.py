@@ -357,14 +357,14 @@ def pack_for_cpu(params):
 _PACKED: dict[int, tuple] = {}
 
 
-# A Llama layer's products that read one input, joined on a GPU as Phi-3 ships them. Not gate and up: XLA merges
-# those itself, and joined they left the MLP's norm unfused all the same (472 launches either way).
-JOINED = {"qkv": ("q", "k", "v")}
+# A Llama layer's products that read one input, joined on a GPU as Phi-3 ships them: one product reads the norm's
+# output (at SmolLM2's shape XLA merges gate and up itself; at the 7B shape they were two GEMMs, a launch each).
+JOINED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 def lay_out_for_gpu(params):
-    """`params` with its float linears as `Transposed` (tables are [V, D] already) and a Llama layer's q, k and v
-    joined (`JOINED`), for the GPU backend whatever the process's default (`benchmarks.h100_compile`
+    """`params` with its float linears as `Transposed` (tables are [V, D] already) and a Llama layer's q, k and v, and
+    gate and up, joined (`JOINED`), for the GPU backend whatever the process's default (`benchmarks.h100_compile`
     compiles for one on a CPU). One product then reads the attention norm's output, and XLA fuses the norm into it
     instead of writing the normed vector for three (docs/gpu-compile.md). A weight met twice
     (a draft sharing the target's layers) is laid out once; int8 weights are left as they are."""

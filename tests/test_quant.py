@@ -134,6 +134,8 @@ def test_the_gpu_layout_holds_the_same_model(config):
     assert set(laid["layers_0"]["attn"]) == {"qkv", "o"} and isinstance(qkv, quant.Transposed)
     assert again["qkv"] is qkv and again["o"] is laid["layers_0"]["attn"]["o"]  # laid out once
     assert qkv.shape == (config.hidden_size, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim)
+    gate_up = laid["layers_0"]["mlp"]["gate_up"]  # Phi-3's own, or a Llama's gate and up joined
+    assert set(laid["layers_0"]["mlp"]) == {"gate_up", "down"} and gate_up.shape == (config.hidden_size, 2 * config.intermediate_size)
     assert not isinstance(laid["embed"], quant.Transposed)
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
     np.testing.assert_allclose(_forward_logits(laid, config, tokens), _forward_logits(params, config, tokens), rtol=1e-5, atol=1e-5)
@@ -142,7 +144,7 @@ def test_the_gpu_layout_holds_the_same_model(config):
     assert Runner(decoder, laid).generate(prompt, 12).tokens == Runner(decoder, params).generate(prompt, 12).tokens
     int8 = quant.apply(params, "int8", jnp.float32)
     assert quant.lay_out_for_gpu(int8)["layers_0"] == int8["layers_0"]
-    # A draft's adapters on q, k and v (b nonzero, as trained) apply to the joined weight's parts as they did apart
+    # A draft's adapters on q, k, v, gate and up (b nonzero, as trained) apply to the joined weights' parts as they did apart
     plan = SkipPlan.parse("1-2", config.num_layers)
     keys = iter(jax.random.split(jax.random.key(7), 1000))
     lora = jax.tree_util.tree_map_with_path(
