@@ -238,7 +238,7 @@ def on(sharding, tree):
 KERNEL_LINE = re.compile(r"(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+) bytes")
 PTXAS = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
          "spill_store_bytes": r"(\d+) bytes spill stores", "spill_load_bytes": r"(\d+) bytes spill loads"}
-PALLAS_KERNELS = ("tree_attention", "int8_matmul")
+PALLAS_KERNELS = ("tree_attention", "int8_matmul", "rms_norm")
 
 
 def ptxas() -> str | None:

@@ -27,15 +27,23 @@ dense_init = nn.initializers.normal(0.02)
 
 
 class RMSNorm(nn.Module):
+    """As Hugging Face's: normalized in fp32, cast back, then scaled. Given a `residual`, (x + residual, the norm of
+    that). `pallas`: a step of one token a row does both in one Pallas kernel (`pallas_kernels.rms_norm`; no
+    gradient): there XLA on a GPU left the reduction, the normalized vector and the add apart, where for several rows
+    it fuses them with the GEMM's split-K sum before them (docs/gpu-compile.md)."""
     eps: float
+    pallas: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        # As Hugging Face: normalise in fp32, cast back, then scale.
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return scale * x32.astype(x.dtype)
+        if self.pallas and x.ndim == 3 and x.shape[1] == 1:
+            from pallas_kernels.rms_norm import rms_norm
+
+            return rms_norm(x, scale, residual, eps=self.eps)
+        from pallas_kernels.rms_norm import reference
+
+        return reference(x, scale, self.eps, residual)
 
 
 def linear(module: nn.Module, name: str, shape: tuple[int, int], h, lora):
@@ -246,9 +254,10 @@ class Block(nn.Module):
     config: ModelConfig
 
     def setup(self):
-        eps = self.config.rms_norm_eps
-        self.attn_norm, self.attn = RMSNorm(eps), Attention(self.config)
-        self.mlp_norm, self.mlp = RMSNorm(eps), MLP(self.config)
+        # The Pallas norms go with the Pallas attention (a GPU's decode steps), and the CPU kernels take precedence.
+        eps, pallas = self.config.rms_norm_eps, self.config.attention == "pallas" and not _on_cpu_kernel(self.config.cpu_kernel)
+        self.attn_norm, self.attn = RMSNorm(eps, pallas), Attention(self.config)
+        self.mlp_norm, self.mlp = RMSNorm(eps, pallas), MLP(self.config)
 
     def attention(self, x, layer_cache, rope, slots, mask, lora):
         y, layer_cache = self.attn(self.attn_norm(x), layer_cache, cos=rope[0], sin=rope[1], slots=slots, mask=mask,
@@ -258,11 +267,29 @@ class Block(nn.Module):
     def feed_forward(self, x, lora):
         return x + self.mlp(self.mlp_norm(x), lora)
 
-    def __call__(self, x, layer_cache, *, rope, slots, mask, lora=None, run_attn=True, run_mlp=True):
+    def __call__(self, x, layer_cache, *, rope, slots, mask, lora=None, run_attn=True, run_mlp=True, residual=None,
+                 defer: bool = False):
+        """(x, layer_cache) for the stream x + `residual` (None: x alone). With `defer` (a static plan), the last
+        sub-layer's output is not added: ((x, y), layer_cache) for the stream x + y, whose add the next norm takes
+        (one kernel on a GPU: `RMSNorm`'s `pallas`). The adds are the same, in the same order, either way."""
         if isinstance(run_attn, bool):
+            y = residual
             if run_attn:
-                x, layer_cache = self.attention(x, layer_cache, rope, slots, mask, lora)
-            return (self.feed_forward(x, lora) if run_mlp else x), layer_cache
+                x, h = _add_norm(self.attn_norm, x, y)
+                y, layer_cache = self.attn(h, layer_cache, cos=rope[0], sin=rope[1], slots=slots, mask=mask, lora=lora)
+            if run_mlp:
+                x, h = _add_norm(self.mlp_norm, x, y)
+                y = self.mlp(h, lora)
+            if defer:
+                return (x, y), layer_cache
+            return (x if y is None else x + y), layer_cache
+        x = x if residual is None else x + residual
         x, layer_cache = nn.cond(run_attn, lambda m, x, c: m.attention(x, c, rope, slots, mask, lora),
                                  lambda m, x, c: (x, c), self, x, layer_cache)
-        return nn.cond(run_mlp, lambda m, x: m.feed_forward(x, lora), lambda m, x: x, self, x), layer_cache
+        x = nn.cond(run_mlp, lambda m, x: m.feed_forward(x, lora), lambda m, x: x, self, x)
+        return ((x, None) if defer else x), layer_cache
+
+
+def _add_norm(norm: RMSNorm, x, y):
+    """(x + y, its norm), or (x, x's norm) where y is None."""
+    return (x, norm(x)) if y is None else norm(x, y)

@@ -69,19 +69,23 @@ class Decoder(nn.Module):
         lora = lora or [None] * self.config.num_layers
         new_cache = list(cache)
         static = isinstance(plan, SkipPlan) and not self.is_initializing()
+        y = None  # a static plan's last sub-layer output, whose add the next norm takes (Block's `defer`)
         for i, block in enumerate(self.layers):
             if isinstance(plan, SkipPlan) and not (plan.attn[i] or plan.mlp[i]):
                 continue
+            if static and rows is None:
+                (x, y), new_cache[i] = _block(self.variables["params"][f"layers_{i}"], x, cache[i], rope, slots, mask,
+                                              lora[i], y, config=self.config, run_attn=plan.attn[i], run_mlp=plan.mlp[i],
+                                              defer=True)
+                continue
+            x, y = (x if y is None else x + y), None
             if rows is not None:
                 x, new_cache[i] = rows.block(self.variables["params"][f"layers_{i}"], i, x, cache[i], rope, slots,
                                              mask, lora[i], config=self.config, plan=plan)
-            elif static:
-                x, new_cache[i] = _block(self.variables["params"][f"layers_{i}"], x, cache[i], rope, slots, mask, lora[i],
-                                         config=self.config, run_attn=plan.attn[i], run_mlp=plan.mlp[i])
             else:
                 x, new_cache[i] = block(x, cache[i], rope=rope, slots=slots, mask=mask, lora=lora[i],
                                         run_attn=plan.attn[i], run_mlp=plan.mlp[i])
-        return x, new_cache
+        return (x if y is None else x + y), new_cache
 
     def embed_tokens(self, tokens):
         return quant.take(self.embed, tokens)
@@ -101,10 +105,12 @@ class Decoder(nn.Module):
 # Jitted so that a stack's layers of one shape are traced and lowered once, not once per layer: the
 # program XLA compiles is the same (it inlines the calls), but tracing SmolLM2's 30 layers one by one was
 # most of the time a decode loop took to build.
-@functools.partial(jax.jit, static_argnames=("config", "run_attn", "run_mlp"))
-def _block(params, x, layer_cache, rope, slots, mask, lora, *, config: ModelConfig, run_attn: bool, run_mlp: bool):
+@functools.partial(jax.jit, static_argnames=("config", "run_attn", "run_mlp", "defer"))
+def _block(params, x, layer_cache, rope, slots, mask, lora, residual=None, *, config: ModelConfig, run_attn: bool,
+           run_mlp: bool, defer: bool = False):
     return Block(config, parent=None).apply({"params": params}, x, layer_cache, rope=rope, slots=slots, mask=mask,
-                                            lora=lora, run_attn=run_attn, run_mlp=run_mlp)
+                                            lora=lora, run_attn=run_attn, run_mlp=run_mlp, residual=residual,
+                                            defer=defer)
 
 
 class DraftRows(NamedTuple):
