@@ -126,7 +126,8 @@ def combine(acc, m, l):
 
 # The most of one KV head's cache (keys x head dim: 2,048 keys of 64) a program reads alone. A longer cache is split
 # across programs, whose partials a second launch merges; on a GPU a small model's step is bound by its launches
-# (docs/gpu-compile.md), and below this the merge costs about what the split saves.
+# (docs/gpu-compile.md), and below this the merge is projected to cost about what the split saves (not yet measured:
+# `benchmarks.gpu_steps`'s smollm2/split setting times it).
 ALONE = 2048 * 64
 
 
