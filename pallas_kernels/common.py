@@ -39,3 +39,11 @@ def masked_load(ref, mask):
     # Masked-off lanes come back undefined (NaN in interpret mode), hence the select to zero; the
     # `other=` argument would need a literal of the ref's exact dtype, which is less portable.
     return jnp.where(mask, plgpu.load(ref, mask=mask), 0)
+
+
+def masked_store(ref, value, mask):
+    """Write value to ref's block where mask (None: everywhere) is true; masked-off lanes keep what they held."""
+    if mask is None:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=mask)

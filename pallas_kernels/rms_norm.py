@@ -14,7 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 
@@ -35,19 +34,12 @@ def _kernel(*refs, eps: float, width: int, add: bool):
     x = common.masked_load(x_ref, columns)
     if add:
         x = (x.astype(jnp.float32) + common.masked_load(r_ref, columns).astype(jnp.float32)).astype(x_ref.dtype)
-        _store(outs[0], x, columns)
+        common.masked_store(outs[0], x, columns)
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) / width + eps)
     scale = common.masked_load(scale_ref, columns).astype(jnp.float32)
     normed = (scale * (x32 * inv).astype(x_ref.dtype).astype(jnp.float32)).astype(outs[-1].dtype)
-    _store(outs[-1], normed, columns)
-
-
-def _store(ref, value, mask):
-    if mask is None:
-        ref[...] = value
-    else:
-        plgpu.store(ref, value, mask=mask)
+    common.masked_store(outs[-1], normed, columns)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "backend"))

@@ -26,7 +26,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 
@@ -107,11 +106,7 @@ def _write_new_rows(slot, s_len: int, new_tokens: int, columns, split, news, cac
     def _():
         def row(i, carry):
             for new, cache in zip(news, caches):
-                value = new[pl.ds(i, 1), :]
-                if columns is None:
-                    cache[pl.ds(start + i, 1), :] = value
-                else:
-                    plgpu.store(cache.at[pl.ds(start + i, 1), :], value, mask=columns)
+                common.masked_store(cache.at[pl.ds(start + i, 1), :], new[pl.ds(i, 1), :], columns)
             return carry
 
         jax.lax.fori_loop(0, new_tokens, row, 0)
