@@ -2,8 +2,8 @@
 
     python -m benchmarks.ab_commits --before 10ecff4 --after HEAD --rounds 3 --out benchmarks/results/ab.md
 
-Each revision is checked out into a temporary git worktree and runs `infer.benchmark` (default flags,
-MT-Bench) in its own process; the two alternate round by round, so drift on a shared machine falls on
+Each revision is checked out into a temporary git worktree and runs `infer.benchmark` (default flags but
+`--flags`, MT-Bench) in its own process; the two alternate round by round, so drift on a shared machine falls on
 both alike. Reported: the median over rounds of each method's pooled tokens/s and of its compile time
 (the first prompt's, which is where every executable is built).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,7 +36,8 @@ def worktree(rev: str, root: str) -> str:
 
 def one_run(tree: str, args, out: str) -> dict:
     cmd = [sys.executable, "-m", "infer.benchmark", "--methods", args.methods, "--dataset", args.dataset,
-           "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", out]
+           "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", out,
+           *shlex.split(args.flags)]
     subprocess.run(cmd, cwd=tree, check=True, env={**os.environ, "PYTHONPATH": tree}, capture_output=True)
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
@@ -53,6 +55,7 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--flags", default="", help='more infer.benchmark flags for both, e.g. "--temperature 1 --top-p 0.95"')
     p.add_argument("--out", required=True, help="a markdown file for the table")
     args = p.parse_args(argv)
     from s3djax import device
@@ -72,7 +75,8 @@ def main(argv=None):
     median = lambda label, m, key: statistics.median(x[m][key] for x in found[label])
     lines = [f"# {args.before} (before) against {args.after} (after)", "",
              f"{device.describe()}; `infer.benchmark --methods {args.methods} --dataset {args.dataset} --limit "
-             f"{args.limit} --max-new-tokens {args.max_new_tokens}`, default flags; median of {args.rounds} "
+             f"{args.limit} --max-new-tokens {args.max_new_tokens}{' ' + args.flags if args.flags else ''}`, "
+             f"{'otherwise ' if args.flags else ''}default flags; median of {args.rounds} "
              "alternating rounds, each revision in its own process.", "",
              "| method | tokens/s before | tokens/s after | change | compile s before | compile s after | change |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

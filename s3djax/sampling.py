@@ -1,9 +1,9 @@
 """Turning logits into the next token: greedy, or temperature with top-k / top-p, on device.
 
-Nothing here sorts the vocabulary on the common path. Top-p's cut is found among the largest
-`CANDIDATES` logits (one `lax.top_k`), which decides it exactly whenever the nucleus lies inside
-them; only a row whose nucleus is wider falls back to the full sort. A token is drawn by inverse
-CDF with one uniform per row, where `jax.random.categorical` draws a Gumbel per vocabulary entry.
+Nothing here sorts the vocabulary. Top-p's cut is found among the largest `CANDIDATES` logits (one
+`lax.top_k`), which decides it exactly whenever the nucleus lies inside them; only where a nucleus is
+wider is the cut searched for over the whole row, by halving. A token is drawn by inverse CDF with
+one uniform per row, where `jax.random.categorical` draws a Gumbel per vocabulary entry.
 docs/sampling.md has the measurements.
 """
 
@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-# How many of the largest logits top-p's threshold is searched among before the full sort. Any value is exact;
+# How many of the largest logits top-p's threshold is searched among before the whole row is. Any value is exact;
 # it only bounds the common path's work (a top-k of 256 costs about what 16 of the vocabulary's exps do).
 CANDIDATES = 256
 
@@ -76,10 +76,6 @@ def process_logits(logits, s: Sampling):
             cut = (jnp.cumsum(probs, axis=-1) - probs) >= s.top_p
             return jnp.min(jnp.where(cut, jnp.inf, order), axis=-1, keepdims=True), jnp.any(cut, axis=-1)
 
-        def sorted_threshold():
-            order = jnp.sort(logits, axis=-1)[..., ::-1]
-            return threshold(order, jax.nn.softmax(order, axis=-1))[0]
-
         if largest.shape[-1] < v:
             # The candidates' probabilities share the full sort's numerators and prefix sums; only the normalizer is
             # summed in another order, which can move the cut where the mass before a token is within rounding of
@@ -87,16 +83,43 @@ def process_logits(logits, s: Sampling):
             peak = largest[..., :1]
             probs = jnp.exp(largest - peak) / jnp.sum(jnp.exp(logits - peak), -1, keepdims=True)
             inside, found = threshold(largest, probs)
-            inside = jax.lax.cond(jnp.all(found), lambda: inside, sorted_threshold)
+            inside = jax.lax.cond(jnp.all(found), lambda: inside, lambda: bisected_threshold(logits, s.top_p))
         else:  # the candidates are the whole sorted vocabulary
             inside = threshold(largest, jax.nn.softmax(largest, axis=-1))[0]
         logits = jnp.where(logits < inside, -jnp.inf, logits)
     return logits
 
 
+def _order_key(x):
+    """uint32 keys in the order of the float32s x (-0.0 taken as +0.0, as a comparison takes it)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def bisected_threshold(logits, top_p: float):
+    """Top-p's threshold [..., 1] without a sort: the smallest logit whose strictly larger ones hold less than top_p of
+    the mass, which is the nucleus's smallest logit, ties kept. The mass above a value falls as the value rises, so
+    32 halvings of the floats' order find it, each one masked sum over the row; a sort of SmolLM2's vocabulary costs
+    about 40 times as much (docs/sampling.md). The normalizer is summed in another order than the sorted one, with
+    the same consequence as the candidates' (`process_logits`)."""
+    keys = _order_key(logits)
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    goal = top_p * jnp.sum(weights, axis=-1, keepdims=True)
+
+    def halve(_, bounds):  # the mass above lo reaches the goal, that above hi does not
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        below = jnp.sum(jnp.where(keys > mid, weights, 0.0), axis=-1, keepdims=True) < goal
+        return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+    lo = jnp.zeros(goal.shape, jnp.uint32)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+    return jnp.min(jnp.where(keys >= hi, logits, jnp.inf), axis=-1, keepdims=True)
+
 def process_logits_reference(logits, s: Sampling):
     """`process_logits` by its definition, as it was computed before the candidates: top-k by `top_k`, top-p by a
-    full descending sort of the vocabulary (which `process_logits` falls back to). Tests and
+    full descending sort of the vocabulary. Tests and
     benchmarks.sampling_cost compare the two."""
     logits = logits.astype(jnp.float32) / s.temperature
     if 0 < s.top_k < logits.shape[-1]:

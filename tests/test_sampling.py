@@ -89,6 +89,15 @@ def test_any_number_of_candidates_cuts_the_same(monkeypatch, candidates):
         assert_same(logits, s)
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.75, 0.9])
+def test_the_halving_keeps_what_the_sort_keeps_with_ties_signed_zeros_and_cut_tokens(top_p):
+    # Rows whose nucleus the candidates cannot hold are cut by halving (`bisected_threshold`) instead of a sort.
+    logits = jnp.asarray([[0.0, -0.0, 0.0, -1.0, -jnp.inf, -jnp.inf], [2.0, -3.0, 2.0, 1.0, 1.0, -jnp.inf],
+                          [-1e30, 5.0, -2.5, -2.5, -2.5, 4.0]])
+    reference = process_logits_reference(logits, Sampling(1.0, 0, top_p))
+    threshold = sampling.bisected_threshold(logits, top_p)
+    np.testing.assert_array_equal(np.isfinite(np.where(logits < threshold, -jnp.inf, logits)), np.isfinite(reference))
+
 def chi_square(draws_, probs):
     counts = np.bincount(np.asarray(draws_).ravel(), minlength=probs.size)
     assert counts[probs == 0].sum() == 0, "a token of probability 0 was drawn"
