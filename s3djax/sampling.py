@@ -99,8 +99,8 @@ def _order_key(x):
 def bisected_threshold(logits, top_p: float):
     """Top-p's threshold [..., 1] without a sort: the smallest logit whose strictly larger ones hold less than top_p of
     the mass, which is the nucleus's smallest logit, ties kept. The mass above a value falls as the value rises, so
-    32 halvings of the floats' order find it, each one masked sum over the row; a sort of SmolLM2's vocabulary costs
-    about 40 times as much (docs/sampling.md). The normalizer is summed in another order than the sorted one, with
+    32 halvings of the floats' order find it, each one masked sum over the row, at a fraction of a sort's cost
+    (docs/sampling.md). The normalizer is summed in another order than the sorted one, with
     the same consequence as the candidates' (`process_logits`)."""
     keys = _order_key(logits)
     weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
@@ -117,10 +117,10 @@ def bisected_threshold(logits, top_p: float):
     hi = jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
     return jnp.min(jnp.where(keys >= hi, logits, jnp.inf), axis=-1, keepdims=True)
 
+
 def process_logits_reference(logits, s: Sampling):
     """`process_logits` by its definition, as it was computed before the candidates: top-k by `top_k`, top-p by a
-    full descending sort of the vocabulary. Tests and
-    benchmarks.sampling_cost compare the two."""
+    full descending sort of the vocabulary. Tests and benchmarks.sampling_cost compare the two."""
     logits = logits.astype(jnp.float32) / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
         kth = top_k(logits, s.top_k)[0][..., -1:]

@@ -98,6 +98,7 @@ def test_the_halving_keeps_what_the_sort_keeps_with_ties_signed_zeros_and_cut_to
     threshold = sampling.bisected_threshold(logits, top_p)
     np.testing.assert_array_equal(np.isfinite(np.where(logits < threshold, -jnp.inf, logits)), np.isfinite(reference))
 
+
 def chi_square(draws_, probs):
     counts = np.bincount(np.asarray(draws_).ravel(), minlength=probs.size)
     assert counts[probs == 0].sum() == 0, "a token of probability 0 was drawn"
