@@ -38,7 +38,9 @@ def one_run(tree: str, args, out: str) -> dict:
     cmd = [sys.executable, "-m", "infer.benchmark", "--methods", args.methods, "--dataset", args.dataset,
            "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--out", out,
            *shlex.split(args.flags)]
-    subprocess.run(cmd, cwd=tree, check=True, env={**os.environ, "PYTHONPATH": tree}, capture_output=True)
+    done = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
+    if done.returncode:  # a bad --flags value, or a revision that fails: the benchmark's own last line
+        raise UserError(f"infer.benchmark failed in {tree}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
     summary = results["summary"][args.dataset]
