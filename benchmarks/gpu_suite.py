@@ -99,7 +99,7 @@ def pieces(args, run_dir: str) -> list[Piece]:
     out.append(Piece("train-s3d", ("-m", "train.s3d", "--config", "configs/train/s3d-smollm2-gpu.yaml", *train),
                      ("gpu", "model", "train-data")))
     if args.tiny:  # the tiny model and its shards come first, made as a user would make them
-        out[:0] = [Piece("tiny-model", ("-m", "benchmarks.tiny_model", "--out", args.model), ("smollm2",)),
+        out[:0] = [Piece("tiny-model", ("-m", "tests.tiny", "--out", args.model), ("smollm2",)),
                    Piece("tiny-data", ("-m", "train.prepare_data", "--model", args.model, "--out", args.train_data,
                                        "--max-len", "64", "--pack", "--limit", "60", "--eval-fraction", "0.1"), ("datasets",))]
     return out

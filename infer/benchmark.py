@@ -1,12 +1,14 @@
 """`python -m infer.benchmark`: methods against `ar` on real prompt sets, in one process, with the S3D paper's metrics.
 
     python -m infer.benchmark --methods ar,s3d,hf-ar --dataset mt-bench --limit 5 --out benchmarks/results/run
+    python -m infer.benchmark --methods "s3d@gamma=2|4+lookup=0|2,lookup@max-draft=2|3" --rounds 2 --out DIR
 
 Every method decodes the same prompts greedily on the same device. Compilation and a warm-up run
 come first; then each prompt runs every method in turn, the order rotating per prompt so that
-drift (clocks, caches, other load) falls on all of them alike. Writes DIR/results.json (every
-number), DIR/results.md (method x dataset, like the paper's Table 1), DIR/acceptance.png and
-DIR/speed.png.
+drift (clocks, caches, other load) falls on all of them alike. A method may be given several times with
+different options (`s3djax.options.variants`), so one run compares a method's settings against `ar`.
+Writes DIR/results.json (every number), DIR/results.md (method x dataset, like the paper's Table 1),
+DIR/acceptance.png and DIR/speed.png.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from s3djax.cli import Parser, run, sampling
 from s3djax.config import default_attention
 from s3djax.methods import METHODS
+from s3djax.options import variant, variants
 from s3djax.sampling import GREEDY
 
 DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup,hf-ar,hf-early-exit,hf-prompt-lookup"
@@ -36,7 +39,9 @@ def parse_args(argv=None):
                    "XLA's dot instead of the CPU matmul kernel); ar-greedy (ar decoding greedily whatever the sampling flags, "
                    "what sampling costs); the Hugging Face peers hf-ar, hf-early-exit, "
                    "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
-                   "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is)")
+                   "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is); "
+                   "one of ours with options set, METHOD@FLAG=V+FLAG=V, each V may be a|b|c (every combination runs): "
+                   "s3d@gamma=2|4+lookup=0")
     p.add_argument("--dataset", default="mt-bench", help="comma-separated: mt-bench, humaneval, sharegpt-heldout, and "
                    "Spec-Bench's tasks: mt-bench-multiturn (the second turn after the method's own first answer, on its "
                    "cache), summarization, qa (retrieval-style, over three passages), math (s3djax.bench_data)")
@@ -55,13 +60,15 @@ def parse_args(argv=None):
                    "row's tokens/s being its share of the batch's time); the speculative methods draft one prompt "
                    "after another, what drafting in a batch would cost them (a Generator decodes a batch by the "
                    "target's own steps), and the peers run one after another")
+    p.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
     args = p.parse_args(argv)
-    args.methods = list(dict.fromkeys(["ar", *[m for m in args.methods.split(",") if m]]))
+    args.methods = list(dict.fromkeys(["ar", *[v for m in args.methods.split(",") if m for v in variants(m)]]))
     args.dataset = [d for d in args.dataset.split(",") if d]
     limits = parse_limits(args.limit, args.dataset)
-    p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2, batch=args.batch >= 1)
+    p.check(args, limit=limits is not None, max_new_tokens=args.max_new_tokens >= 2, batch=args.batch >= 1,
+            rounds=args.rounds >= 1)
     args.limit = limits
     args.attention = args.attention or default_attention()  # the report names what ran
     return args
@@ -133,11 +140,12 @@ def kv_cache_bytes(config, args) -> int:
 
 
 def method_options(args, name: str) -> dict:
-    """One of our methods' options and sampling; --skip is the drafts' plan here, never ar's."""
+    """One of our methods' (or its variant's) options and sampling; --skip is the drafts' plan here, never ar's."""
     from s3djax import methods
 
-    opts = methods.options(args, name)
-    return dict(opts, skip=opts["skip"] if name != "ar" else "", sampling=sampling(args))
+    method, overrides = variant(name)
+    opts = methods.options(args, method)
+    return {**opts, "skip": opts["skip"] if method != "ar" else "", **overrides, "sampling": sampling(args)}
 
 
 class Method:
@@ -179,7 +187,7 @@ class JaxMethod(Method):
         from s3djax import quant
 
         options = method_options(args, name)
-        session = gen.session(name, **(dict(options, sampling=GREEDY) if greedy else options))
+        session = gen.session(variant(name)[0], **(dict(options, sampling=GREEDY) if greedy else options))
         self.seed = args.seed
         self.warnings, self.about = session.warnings, session.about
         breakeven = session.runner.overrides.get("breakeven")
@@ -269,7 +277,7 @@ def build_methods(args, gen, prompts_for_tuning, notes):
 
     m, built, hf = gen.model, {}, []  # one transformers model serves every peer
     for name in args.methods:
-        if name in METHODS:
+        if variant(name)[0] in METHODS:
             built[name] = JaxMethod(name, gen, args)
         elif name == "ar-greedy":
             built[name] = JaxMethod("ar", gen, args, greedy=True)
@@ -340,14 +348,17 @@ def main(argv=None):
     from s3djax.generator import Generator
 
     known = METHODS + ("ar-xla", "ar-greedy") + peers.PEERS + llamacpp.PEERS
-    unknown = [name for name in args.methods if name not in known]
+    unknown = [name for name in args.methods if variant(name)[0] not in known]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(known)}")
+    fixed = [name for name in args.methods if "@" in name and variant(name)[0] not in METHODS]
+    if fixed:
+        raise UserError(f"{fixed[0]!r}: only {', '.join(METHODS)} take options")
     gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, max_cache_len=args.max_cache_len,
                     quant=args.quant, matmul=args.matmul, attention=args.attention, load=False)
     for name in args.methods:  # every method's options, before the weights are read
-        if name in METHODS:
-            gen.check(method=name, **method_options(args, name))
+        if variant(name)[0] in METHODS:
+            gen.check(method=variant(name)[0], **method_options(args, name))
     notes, sets = [], {}
     for name in args.dataset:
         items = bench_data.prompts(name, gen.tokenizer, args.limit.get(name), mt_bench_turns=args.mt_bench_turns)
@@ -374,8 +385,8 @@ def main(argv=None):
             method.batch([p["ids"] for p in first[:args.batch]], 8)
     runs = {d: {name: [] for name in methods} for d in sets}
     names = list(methods)
-    with progress.bar(total=sum(map(len, sets.values())) * len(names), desc="benchmark", unit="run") as bar:
-        for d, items in sets.items():
+    with progress.bar(total=sum(map(len, sets.values())) * len(names) * args.rounds, desc="benchmark", unit="run") as bar:
+        for d, items in [(d, items) for _ in range(args.rounds) for d, items in sets.items()]:
             for i, at in enumerate(range(0, len(items), args.batch)):
                 group = items[at:at + args.batch]
                 for name in names[i % len(names):] + names[:i % len(names)]:
@@ -427,6 +438,7 @@ def markdown(record: dict) -> str:
              f"- date: {record['date']}; commit {record['commit']}",
              f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
              f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}",
+             *([f"- {s['rounds']} rounds over the prompts (prompts counts every run)"] if s.get("rounds", 1) > 1 else []),
              *([f"- batches of {batch} prompts: ar decodes each as one batch, every other method one prompt after "
                 "another; tokens/s is over the batches' decode time"] if batch > 1 else []),
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],

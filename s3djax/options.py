@@ -5,6 +5,7 @@ is chosen when the method is built: docs/defaults.md."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from s3djax.errors import UserError
 
@@ -98,3 +99,44 @@ def from_args(args, method: str, methods: tuple[str, ...]) -> dict:
             raise UserError(f"--draft names unknown methods {sorted(unknown)}; choose from {', '.join(methods)}")
         out["draft_path"] = pairs.get(method)
     return out
+
+
+def variants(spec: str) -> list[str]:
+    """A benchmark's method with options set, `METHOD@FLAG=V+FLAG=V` (a flag's name without its dashes, `default` for
+    the method's own), each value a `|`-separated list to try: `s3d@gamma=2|4+lookup=0|1` is four variants, one name
+    each (`s3d@gamma=2+lookup=0`, ...). A name without `@` is the method at the run's flags."""
+    method, at, rest = spec.partition("@")
+    if not at:
+        return [spec]
+    pairs = [item.partition("=") for item in rest.split("+")]
+    for name, eq, values in pairs:
+        if not eq or not values:
+            raise UserError(f"method variant {spec!r}: write FLAG=VALUE, e.g. s3d@gamma=2+lookup=0")
+    combos = itertools.product(*[[f"{name}={v}" for v in values.split("|")] for name, _, values in pairs])
+    names = [f"{method}@{'+'.join(combo)}" for combo in combos]
+    for name in names:
+        variant(name)  # every value checked before anything is built
+    return names
+
+
+def variant(name: str) -> tuple[str, dict]:
+    """A variant's method and the options it sets (`variants`), each value read as its flag reads it."""
+    method, _, rest = name.partition("@")
+    fields = {flag(f)[2:]: f for f in dataclasses.fields(Options)}
+    out = {}
+    for item in rest.split("+") if rest else ():
+        key, _, value = item.partition("=")
+        f = fields.get(key)
+        if f is None:
+            raise UserError(f"method variant {name!r}: unknown option {key!r}; choose from {', '.join(fields)}")
+        if value == "default":
+            out[f.name] = None
+            continue
+        choices = f.metadata["choices"]
+        try:
+            out[f.name] = f.metadata["type"](value)
+        except ValueError:
+            raise UserError(f"method variant {name!r}: {key} takes {f.metadata['type'].__name__} values, not {value!r}") from None
+        if choices and value not in choices:
+            raise UserError(f"method variant {name!r}: {key} is one of {', '.join(choices)}, not {value!r}")
+    return method, out

@@ -120,7 +120,7 @@ def bisected_threshold(logits, top_p: float):
 
 def process_logits_reference(logits, s: Sampling):
     """`process_logits` by its definition, as it was computed before the candidates: top-k by `top_k`, top-p by a
-    full descending sort of the vocabulary. Tests and benchmarks.sampling_cost compare the two."""
+    full descending sort of the vocabulary. Tests and benchmarks.research.sampling_cost compare the two."""
     logits = logits.astype(jnp.float32) / s.temperature
     if 0 < s.top_k < logits.shape[-1]:
         kth = top_k(logits, s.top_k)[0][..., -1:]

@@ -118,7 +118,7 @@ def test_projection_refuses_a_results_file_it_cannot_use(settings, message, tmp_
 def test_forward_cost_refuses_what_it_does_not_time(flags, message, monkeypatch, capsys):
     import sys
 
-    from benchmarks import forward_cost
+    from benchmarks.research import forward_cost
 
     monkeypatch.setattr(sys, "argv", ["forward_cost", *flags])
     assert message in refused(lambda _: forward_cost.main(), None, capsys)

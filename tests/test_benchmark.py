@@ -79,7 +79,7 @@ def test_the_divergence_report_refuses_what_it_cannot_read(tmp_path):
 def test_a_chain_simulated_from_teacher_forced_correctness_steps_as_verification_does():
     import numpy as np
 
-    from benchmarks.held_out_acceptance import chain_steps
+    from benchmarks.research.held_out_acceptance import chain_steps
 
     # anchor p drafts answer tokens p+1 .. p+4; a step accepts the leading right depths, then its bonus
     # token is the next anchor's last token, so the next step starts k + 1 anchors on
@@ -108,14 +108,33 @@ def test_a_sampled_batched_run_on_smollm2(tmp_path):
 
 
 def test_a_multi_turn_run_asks_the_second_turn_on_the_first_answers_cache(tmp_path):
+    # lookup runs as a variant whose option reaches its build: at max draft 1 no step accepts two drafts.
     import json
 
-    benchmark.main(["--methods", "ar,lookup", "--dataset", "mt-bench-multiturn", "--limit", "2", "--max-new-tokens",
+    lookup = "lookup@max-draft=1"
+    benchmark.main(["--methods", f"ar,{lookup}", "--dataset", "mt-bench-multiturn", "--limit", "2", "--max-new-tokens",
                     "12", "--max-cache-len", "512", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "results.json").read_text())
     summary, runs = record["summary"]["mt-bench-multiturn"], record["runs"]["mt-bench-multiturn"]
-    assert summary["lookup"]["identical"] == 1.0 and summary["ar"]["prompts"] == 2
+    assert summary[lookup]["identical"] == 1.0 and summary["ar"]["prompts"] == 2
     # Both turns' answers are in each run, and lookup's verify steps cover both.
     assert all(len(r["tokens"]) > 12 for r in runs["ar"])
-    assert sum(len(r["accepted_per_step"]) + sum(r["accepted_per_step"]) for r in runs["lookup"]) == \
-        sum(len(r["tokens"]) for r in runs["lookup"]) - 2 * 2
+    assert sum(len(r["accepted_per_step"]) + sum(r["accepted_per_step"]) for r in runs[lookup]) == \
+        sum(len(r["tokens"]) for r in runs[lookup]) - 2 * 2
+    assert max(a for r in runs[lookup] for a in r["accepted_per_step"]) == 1
+
+
+def test_method_variants_expand_every_combination_and_refuse_bad_options():
+    from s3djax.errors import UserError
+    from s3djax.options import variant, variants
+
+    assert variants("s3d") == ["s3d"]
+    assert variants("s3d@gamma=2|4+lookup=0|default") == [
+        "s3d@gamma=2+lookup=0", "s3d@gamma=2+lookup=default", "s3d@gamma=4+lookup=0", "s3d@gamma=4+lookup=default"]
+    assert variant("s3d@gamma=4+lookup=default") == ("s3d", {"gamma": 4, "lookup": None})
+    assert variant("s3d@draft=none+in-verify=on+tree=top2") == ("s3d", {"draft_path": "none", "in_verify": "on",
+                                                                        "tree": "top2"})
+    for bad, says in (("s3d@gama=2", "unknown option 'gama'"), ("s3d@gamma=two", "gamma takes int values"),
+                      ("s3d@in-verify=yes", "in-verify is one of on, off"), ("s3d@gamma", "write FLAG=VALUE")):
+        with pytest.raises(UserError, match=says):
+            variants(bad)

@@ -5,7 +5,7 @@ with the chat template, every prompt position), and held-out ShareGPT rows from 
 (assistant tokens only), where perplexity is against the real next token. bf16 is shown beside the
 int8 modes as the precision everyone already accepts.
 
-    python -m benchmarks.int8_quality --data data/sharegpt-smollm2-256 [--rows 64]
+    python -m benchmarks.research.int8_quality --data data/sharegpt-smollm2-256 [--rows 64]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from s3djax.cli import Parser, run
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.int8_quality", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m benchmarks.research.int8_quality", description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True, help="token shards from train.prepare_data (its eval split is used)")
     p.add_argument("--rows", type=int, default=64, help="held-out rows to score")
     p.add_argument("--prompts", type=int, default=80, help="MT-Bench first turns to score")

@@ -2,7 +2,7 @@
 sampler against the full sort and `jax.random.categorical` it replaced, for one row (an `ar` step) and for
 five (a gamma-4 chain's verify), beside a greedy `ar` step on the real model at a short cache.
 
-    python -m benchmarks.sampling_cost [--repeats 50] [--out benchmarks/results]
+    python -m benchmarks.research.sampling_cost [--repeats 50] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ SETTINGS = ((0.7, 0, 0.9), (1.0, 50, 1.0), (1.0, 0, 0.95), (0.7, 0, 1.0))
 
 
 def main():
-    args = report.timing_args("benchmarks.sampling_cost", __doc__, repeats=50)
+    args = report.timing_args("benchmarks.research.sampling_cost", __doc__, repeats=50)
 
     import jax
     import jax.numpy as jnp

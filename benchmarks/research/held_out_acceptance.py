@@ -1,6 +1,6 @@
 """What the training metric predicts for S3D against what the engine gets, on held-out self-distilled answers.
 
-    python -m benchmarks.held_out_acceptance [--data train/distilled/smollm2-sharegpt-10k] [--rows 40] [--tokens 128]
+    python -m benchmarks.research.held_out_acceptance [--data train/distilled/smollm2-sharegpt-10k] [--rows 40] [--tokens 128]
 
 Three numbers per setting, on the prompts of the first N held-out rows:
 - agreement by depth: training's held-out metric (draft argmax == the answer's token, teacher-forced), over
@@ -38,7 +38,7 @@ def chain_steps(correct, gamma: int, limit: int) -> list[int]:
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.held_out_acceptance", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.research.held_out_acceptance", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="train/distilled/smollm2-sharegpt-10k", help="a distilled set with eval shards")
     p.add_argument("--draft", help="draft file (default: the model's shipped draft)")
     p.add_argument("--rows", type=int, default=40, help="the first N held-out rows")

@@ -6,7 +6,7 @@ method's draft and verify steps are timed at each chain length g with its shippe
 tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first, cheapest exit), and
 `s3d-in-verify`, S3D drafting inside its verify forward of (g + 1)(g + 2) rows.
 
-    python -m benchmarks.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--max-cache-len 2048] [--repeats 10]
+    python -m benchmarks.research.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--max-cache-len 2048] [--repeats 10]
         [--paths kernel,xla]
 
 On the CPU, `--paths` times the native decode matmul (`cpu_kernels`, packed weights) and XLA's dot in
@@ -45,7 +45,7 @@ def chain_options(method: str, g: int) -> dict:
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.forward_cost", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m benchmarks.research.forward_cost", description=__doc__.splitlines()[0])
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

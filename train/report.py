@@ -1,6 +1,6 @@
 """A training run's record for benchmarks/results/: settings, throughput and the held-out curve.
 
-    python -m benchmarks.training_report RUN_DIR NAME   # writes NAME.md and copies loss.png, metrics.jsonl
+    python -m train.report RUN_DIR NAME   # writes NAME.md and copies loss.png, metrics.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from s3djax.errors import UserError
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.training_report", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m train.report", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
     p.add_argument("name")
     p.add_argument("--out", default="benchmarks/results")

@@ -1,7 +1,7 @@
 """Latency of the speculative building blocks on SmolLM2, in one process: AR step, S3D draft step,
 and the verify step for each tree size (how verification cost grows with the tree).
 
-    python -m benchmarks.spec_step_latency [--max-cache-len 1024] [--context 256] [--repeats 20]
+    python -m benchmarks.research.spec_step_latency [--max-cache-len 1024] [--context 256] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from s3djax.cli import Parser, run
 
 
 def main():
-    p = Parser(prog="python -m benchmarks.spec_step_latency", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m benchmarks.research.spec_step_latency", description=__doc__.splitlines()[0])
     p.add_argument("--max-cache-len", type=int, default=1024)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--gamma", type=int, default=4)

@@ -3,7 +3,7 @@ against M = 1, in several formulations. On a memory-bound device M = 5 should co
 as M = 1 (the weights are read once either way); XLA's CPU backend runs M = 1 as its own GEMV and
 M > 1 as a GEMM, and the ratio is what a speculative step pays per verified token.
 
-    python -m benchmarks.small_m_matmul [--repeats 20]
+    python -m benchmarks.research.small_m_matmul [--repeats 20]
 
 Run it under different XLA_FLAGS (e.g. --xla_cpu_experimental_ynn_fusion_type=individual_dot) to
 compare CPU dot backends; the flags go into the table. Where the CPU decode matmul (`cpu_kernels`) runs,
@@ -24,7 +24,7 @@ ROWS = (1, 2, 3, 5, 9, 17, 32)
 
 
 def main():
-    args = report.timing_args("benchmarks.small_m_matmul", __doc__, repeats=20)
+    args = report.timing_args("benchmarks.research.small_m_matmul", __doc__, repeats=20)
 
     import jax
     import jax.numpy as jnp
