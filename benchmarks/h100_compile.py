@@ -44,7 +44,7 @@ STEP_MODELS = ("smollm2-135m", "llama-2-7b")
 VARIANTS = {"bf16-xla": (None, "xla", "xla"), "bf16-pallas": (None, "pallas", "xla"),
             "int8-xla": ("int8", "xla", "xla"), "int8-pallas": ("int8", "pallas", "pallas")}
 # Each drafter at the settings of the CPU run whose acceptance the projection uses
-# (benchmarks/results/family-kernel-mt-bench-80-cpu-2026-11-24): S3D gamma 2, the others drafting one token,
+# (benchmarks/results/archive/family-kernel-mt-bench-80-cpu-2026-11-24): S3D gamma 2, the others drafting one token,
 # Kangaroo over its top4 tree; lookup at its default max draft, and S3D with the CPU's lookup switch. The GPU
 # suite's S3D default (the paper's gamma 4, no lookup) is compiled beside them, and so is S3D drafting inside the
 # verify pass at gamma 4 (25 rows a verify).
@@ -58,7 +58,8 @@ MAX_CACHE_LEN = 2048  # the GPU suite's
 PROMPT = 512          # the prefill's prompt bucket
 CACHES = (512, 2048, 8192)
 M_ROWS = (1, 5, 16, 64, 65, 512)  # int8 matmul rows: AR, a chain, trees up to 64 nodes (+ root), a prefill
-ACCEPTANCE = os.path.join(ROOT, "benchmarks", "results", "family-kernel-mt-bench-80-cpu-2026-11-24", "results.json")
+ACCEPTANCE = os.path.join(ROOT, "benchmarks", "results", "archive", "family-kernel-mt-bench-80-cpu-2026-11-24",
+                          "results.json")
 CASE_TIMEOUT_S = 300
 
 

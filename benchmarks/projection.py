@@ -5,7 +5,7 @@ with random weights (bf16 and int8); tau comes from a real `infer.benchmark` run
 projected speed-up is tau x AR step / (draft step + verify step). It is a projection, labelled so
 everywhere: the acceptance of a 7B model's own trained draft is not measured.
 
-    python -m benchmarks.projection --acceptance benchmarks/results/benchmark-mt-bench-5-cpu/results.json [--quick]
+    python -m benchmarks.projection --acceptance benchmarks/results/archive/benchmark-mt-bench-5-cpu/results.json [--quick]
 """
 
 from __future__ import annotations

@@ -44,6 +44,24 @@ def test_every_relative_link_resolves(page):
     assert broken == []
 
 
+def test_every_results_page_links_what_is_there():
+    # A run's page links its neighbours and the docs; moving runs into archive/ must leave none broken.
+    pages = sorted((ROOT / "benchmarks" / "results").rglob("*.md"))
+    assert len(pages) > 100
+    broken = [(str(page.relative_to(ROOT)), target) for page in pages for target in links(page)
+              if not re.match(r"[a-z]+:|#", target) and not (page.parent / target.partition("#")[0]).exists()]
+    assert broken == []
+
+
+def test_the_results_index_names_every_run_beside_it():
+    # Current runs sit beside the index, which names each; every other run is in archive/.
+    results = ROOT / "benchmarks" / "results"
+    named = {(results / t.partition("#")[0]).resolve().relative_to(results).parts[0]
+             for t in links(results / "README.md") if (results / t.partition("#")[0]).resolve().is_relative_to(results)}
+    assert sorted(p.name for p in results.iterdir() if p.name not in named | {"README.md", "archive"}) == []
+    assert len(list((results / "archive").iterdir())) > 100
+
+
 def test_the_anchor_rule_matches_github():
     page = ROOT / "docs" / "benchmarks.md"
     assert "ar-against-transformers" in anchors(page)  # from "## `ar` against transformers"

@@ -305,7 +305,7 @@ def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2)
 
     built = methods.build("kangaroo", smollm2, max_cache_len=128)
     drafter = built.decoder.drafter
-    # benchmarks/results/kangaroo-eta-cpu-2026-11-24.md and lookup-drafters-cpu-2026-11-26/ measured these fastest,
+    # benchmarks/results/archive/kangaroo-eta-cpu-2026-11-24.md and lookup-drafters-cpu-2026-11-26/ measured these fastest,
     # the chain giving way to lookup on the CPU.
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 2, 1)
     assert "eta 0.0, max draft 2, tree chain" in built.draft and "lookup where 1+ tokens match" in built.draft

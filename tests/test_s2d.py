@@ -330,7 +330,7 @@ def test_the_shipped_draft_brings_its_measured_max_draft(smollm2):
     from s3djax import methods
 
     built = methods.build("s2d", smollm2, max_cache_len=128)
-    # benchmarks/results/s2d-multi-target-cpu-2026-11-23.md measured it fastest.
+    # benchmarks/results/archive/s2d-multi-target-cpu-2026-11-23.md measured it fastest.
     assert built.decoder.drafter.tree.depth == 1 and "max draft 1" in built.draft
     assert "vocabulary 8192" in built.draft and built.params[1]["head"].shape == (8192, smollm2.config.hidden_size)
     assert methods.build("s2d", smollm2, max_cache_len=128, max_draft=3).decoder.drafter.tree.depth == 3

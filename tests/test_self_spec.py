@@ -141,7 +141,7 @@ def test_the_shipped_plan_brings_its_measured_max_draft(smollm2):
     from s3djax import methods
 
     built = methods.build("self-spec", smollm2, max_cache_len=128)
-    # benchmarks/results/lookup-drafters-cpu-2026-11-26/ measured it fastest, giving way to lookup (the CPU's default).
+    # benchmarks/results/archive/lookup-drafters-cpu-2026-11-26/ measured it fastest, giving way to lookup (the CPU's default).
     assert built.decoder.drafter.tree.depth == 2
     assert "max draft 2, tree chain, vocabulary 8192" in built.draft and built.draft.endswith("lookup where 1+ tokens match")
     assert built.params[1]["head"].shape == (8192, smollm2.config.hidden_size)

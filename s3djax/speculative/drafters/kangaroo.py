@@ -46,7 +46,7 @@ from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 def default_exit_layer(num_layers: int) -> int:
     """Where an adapter exits unless told: the exit-layer sweep's choice for SmolLM2, 2 of 30 layers
-    (benchmarks/results/kangaroo-exit-sweep-cpu.md; the paper's for Vicuna-7B is 2 of 32), the same
+    (benchmarks/results/archive/kangaroo-exit-sweep-cpu.md; the paper's for Vicuna-7B is 2 of 32), the same
     fraction of the depth elsewhere."""
     return max(1, min(num_layers - 1, round(num_layers / 15)))
 

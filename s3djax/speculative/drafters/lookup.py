@@ -4,7 +4,7 @@ n runs from `ngram` down to 1, in the prompt and the output so far; the first n 
 up to `depth` tokens after its latest occurrence, as a chain. No model runs to draft, so a step costs one
 verify forward over the chain. transformers' `prompt_lookup_num_tokens` and vLLM's n-gram speculator draft
 from such matches too (transformers from the earliest occurrence); the latest, the nearest context, is
-taken here. Measured: benchmarks/results/lookup-depth-cpu-2026-11-25.md.
+taken here. Measured: benchmarks/results/archive/lookup-depth-cpu-2026-11-25.md.
 
 Sampling stays lossless: a lookup draft is a draw from a point mass, so verification accepts it with the
 target's probability of that token and otherwise samples the residual without it.
