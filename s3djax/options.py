@@ -130,7 +130,7 @@ def variant(name: str) -> tuple[str, dict]:
         if f is None:
             raise UserError(f"method variant {name!r}: unknown option {key!r}; choose from {', '.join(fields)}")
         if value == "default":
-            out[f.name] = None
+            out[f.name] = f.default
             continue
         choices = f.metadata["choices"]
         try:

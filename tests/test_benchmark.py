@@ -131,7 +131,7 @@ def test_method_variants_expand_every_combination_and_refuse_bad_options():
     assert variants("s3d") == ["s3d"]
     assert variants("s3d@gamma=2|4+lookup=0|default") == [
         "s3d@gamma=2+lookup=0", "s3d@gamma=2+lookup=default", "s3d@gamma=4+lookup=0", "s3d@gamma=4+lookup=default"]
-    assert variant("s3d@gamma=4+lookup=default") == ("s3d", {"gamma": 4, "lookup": None})
+    assert variant("s3d@gamma=4+lookup=default+skip=default") == ("s3d", {"gamma": 4, "lookup": None, "skip": ""})
     assert variant("s3d@draft=none+in-verify=on+tree=top2") == ("s3d", {"draft_path": "none", "in_verify": "on",
                                                                         "tree": "top2"})
     for bad, says in (("s3d@gama=2", "unknown option 'gama'"), ("s3d@gamma=two", "gamma takes int values"),
