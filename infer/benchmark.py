@@ -437,7 +437,8 @@ def markdown(record: dict) -> str:
              f"- device: {record['device']}",
              f"- date: {record['date']}; commit {record['commit']}",
              f"- {decoding}, {s['max_new_tokens']} new tokens at most, cache {s['max_cache_len']}, {s['dtype']}, "
-             f"weights {record['quant']}, attention {s['attention']}; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}",
+             f"weights {record['quant']}, attention {s['attention']}"
+             + (f"; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}" if s["gamma"] is not None else ""),
              *([f"- {s['rounds']} rounds over the prompts (prompts counts every run)"] if s.get("rounds", 1) > 1 else []),
              *([f"- batches of {batch} prompts: ar decodes each as one batch, every other method one prompt after "
                 "another; tokens/s is over the batches' decode time"] if batch > 1 else []),
