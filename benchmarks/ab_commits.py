@@ -84,7 +84,9 @@ def main(argv=None):
         for tree in trees.values():
             subprocess.run(["git", "-C", root, "worktree", "remove", "--force", tree], capture_output=True)
     median = lambda label, d, m, key: statistics.median(x[d][m][key] for x in found[label])  # noqa: E731
-    greedy = "--temperature" not in args.flags
+    # A sampled run records no share identical to ar (outputs differ by design), whatever its flags say it did.
+    greedy = all(v["identical"] is not None for x in found["before"] + found["after"] for per in x.values()
+                 for v in per.values())
     lines = [f"# {args.before} (before) against {args.after} (after)", "",
              f"{device.describe()}; `infer.benchmark --methods {args.methods} --dataset {args.dataset} --limit "
              f"{args.limit} --max-new-tokens {args.max_new_tokens}{' ' + args.flags if args.flags else ''}`, "
@@ -98,10 +100,12 @@ def main(argv=None):
         for m in per:
             tb, ta = median("before", d, m, "tokens_per_s"), median("after", d, m, "tokens_per_s")
             cb, ca = median("before", d, m, "compile_s"), median("after", d, m, "compile_s")
-            pairs = [(b, a) for x, y in zip(found["before"], found["after"])
-                     for b, a in zip(x[d][m]["tokens"], y[d][m]["tokens"])]
-            identical = " / ".join(f"{min(x[d][m]['identical'] for x in found[label]):.0%}" for label in found)
-            same = f" {sum(b == a for b, a in pairs)}/{len(pairs)} | {identical} |" if greedy else ""
+            same = ""
+            if greedy:
+                pairs = [(b, a) for x, y in zip(found["before"], found["after"])
+                         for b, a in zip(x[d][m]["tokens"], y[d][m]["tokens"])]
+                identical = " / ".join(f"{min(x[d][m]['identical'] for x in found[label]):.0%}" for label in found)
+                same = f" {sum(b == a for b, a in pairs)}/{len(pairs)} | {identical} |"
             lines.append(f"| {d} | {m} | {tb:.1f} | {ta:.1f} | {change(tb, ta)} | {cb:.1f} | {ca:.1f} | "
                          f"{change(cb, ca)} |{same}")
     for rounds in found.values():
