@@ -7,7 +7,9 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "results" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = [ROOT / "README.md", RESULTS / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN_PAGES = [p for p in sorted(RESULTS.rglob("*.md")) if p not in PAGES]  # each run's own pages, archived ones too
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
@@ -23,43 +25,40 @@ def links(page: pathlib.Path) -> list[str]:
     return LINK.findall(FENCE.sub("", page.read_text()))
 
 
+def resolved(page: pathlib.Path, target: str) -> pathlib.Path:
+    path = target.partition("#")[0]
+    return (page.parent / path).resolve() if path else page
+
+
 def test_there_are_pages_and_links():
     assert {"methods.md", "benchmarks.md", "training.md", "gpu.md", "kernels.md", "design.md"} <= {
         p.name for p in PAGES}
     assert sum(len(links(p)) for p in PAGES) > 50  # the pattern finds them
+    assert len(RUN_PAGES) > 100
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+# A run's page links its neighbours and the docs: moving runs into archive/ must leave none broken.
+@pytest.mark.parametrize("page", PAGES + RUN_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     broken = []
     for target in links(page):
         if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
             continue
-        path, _, anchor = target.partition("#")
-        resolved = (page.parent / path).resolve() if path else page
-        if not resolved.exists() or not resolved.is_relative_to(ROOT):
+        anchor, to = target.partition("#")[2], resolved(page, target)
+        if not to.exists() or not to.is_relative_to(ROOT):
             broken.append(target)
-        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+        elif anchor and to.suffix == ".md" and anchor not in anchors(to):
             broken.append(target)
-    assert broken == []
-
-
-def test_every_results_page_links_what_is_there():
-    # A run's page links its neighbours and the docs; moving runs into archive/ must leave none broken.
-    pages = sorted((ROOT / "benchmarks" / "results").rglob("*.md"))
-    assert len(pages) > 100
-    broken = [(str(page.relative_to(ROOT)), target) for page in pages for target in links(page)
-              if not re.match(r"[a-z]+:|#", target) and not (page.parent / target.partition("#")[0]).exists()]
     assert broken == []
 
 
 def test_the_results_index_names_every_run_beside_it():
     # Current runs sit beside the index, which names each; every other run is in archive/.
-    results = ROOT / "benchmarks" / "results"
-    named = {(results / t.partition("#")[0]).resolve().relative_to(results).parts[0]
-             for t in links(results / "README.md") if (results / t.partition("#")[0]).resolve().is_relative_to(results)}
-    assert sorted(p.name for p in results.iterdir() if p.name not in named | {"README.md", "archive"}) == []
-    assert len(list((results / "archive").iterdir())) > 100
+    index = RESULTS / "README.md"
+    named = {resolved(index, t).relative_to(RESULTS).parts[0] for t in links(index)
+             if resolved(index, t).is_relative_to(RESULTS) and resolved(index, t) != index}
+    assert sorted(p.name for p in RESULTS.iterdir() if p.name not in named | {"README.md", "archive"}) == []
+    assert len(list((RESULTS / "archive").iterdir())) > 100
 
 
 def test_the_anchor_rule_matches_github():
