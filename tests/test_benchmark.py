@@ -124,6 +124,16 @@ def test_a_multi_turn_run_asks_the_second_turn_on_the_first_answers_cache(tmp_pa
     assert max(a for r in runs[lookup] for a in r["accepted_per_step"]) == 1
 
 
+def test_rounds_pass_over_the_prompts_again(tmp_path):
+    import json
+
+    benchmark.main(["--methods", "ar", "--dataset", "mt-bench", "--limit", "1", "--max-new-tokens", "6",
+                    "--max-cache-len", "512", "--rounds", "2", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]["mt-bench"]["ar"]
+    assert [r["id"] for r in runs] == [runs[0]["id"]] * 2 and runs[0]["tokens"] == runs[1]["tokens"]  # greedy
+    assert "2 rounds over the prompts" in (tmp_path / "results.md").read_text()
+
+
 def test_method_variants_expand_every_combination_and_refuse_bad_options():
     from s3djax.errors import UserError
     from s3djax.options import variant, variants
