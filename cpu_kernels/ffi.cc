@@ -139,17 +139,36 @@ Helpers& OwnHelpers() {
   return *helpers;
 }
 
+// The blocking every product takes, set by s3d_cpu_set_blocking (Python sets it once, before the first product).
+struct SharedBlocking {
+  std::atomic<int64_t> prefetch{s3d::Blocking{}.prefetch}, chunk_bytes{s3d::Blocking{}.chunk_bytes},
+      tile_rows{s3d::Blocking{}.tile_rows};
+  s3d::Blocking Get() const {
+    s3d::Blocking b;
+    b.prefetch = prefetch.load(std::memory_order_relaxed);
+    b.chunk_bytes = chunk_bytes.load(std::memory_order_relaxed);
+    b.tile_rows = tile_rows.load(std::memory_order_relaxed);
+    return b;
+  }
+};
+SharedBlocking& CurrentBlocking() {
+  static SharedBlocking blocking;
+  return blocking;
+}
+
 // Below this many weight bytes a product is not worth waking another thread for.
 constexpr int64_t kParallelBytes = 1 << 16;
 
 // Runs `run` over [0, tiles) on the calling thread, and on helpers too where `worth_it`.
-void Parallel(ffi::ThreadPool& pool, int64_t tiles, bool worth_it, std::function<void(int64_t, int64_t)> run) {
+// `pool`: XLA's, or null outside a call from XLA (a timing run of the blocking).
+void Parallel(ffi::ThreadPool* pool, int64_t tiles, bool worth_it, std::function<void(int64_t, int64_t)> run) {
   auto job = std::make_shared<Job>();
   job->run = std::move(run);
   job->tiles = tiles;
-  static const bool xla_pool = Env("S3DJAX_CPU_POOL", 0) == 1;
+  static const bool env_pool = Env("S3DJAX_CPU_POOL", 0) == 1;
+  const bool xla_pool = env_pool && pool;
   int64_t helpers = worth_it ? Threads() - 1 : 0;
-  if (xla_pool) helpers = std::min<int64_t>(helpers, pool.num_threads() - 1);
+  if (xla_pool) helpers = std::min<int64_t>(helpers, pool->num_threads() - 1);
   helpers = std::max<int64_t>(0, std::min(helpers, tiles - 1));
   // Tiles one at a time where they are few (an even split matters more than the claims' cost), else a few
   // dozen chunks per thread, so a thread that starts late still gets a share.
@@ -157,7 +176,7 @@ void Parallel(ffi::ThreadPool& pool, int64_t tiles, bool worth_it, std::function
   job->chunk = (tiles + job->chunks - 1) / job->chunks;
   job->chunks = (tiles + job->chunk - 1) / job->chunk;
   if (helpers && xla_pool) {
-    for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+    for (int64_t i = 0; i < helpers; ++i) pool->Schedule([job] { job->Work(); });
   } else if (helpers) {
     OwnHelpers().Offer(job);
   }
@@ -191,13 +210,13 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
   if (m == 0 || n == 0) return ffi::Error::Success();
   s3d::Problem p{x.typed_data(), w.untyped_data(), scale.element_count() ? scale.typed_data() : nullptr,
-                 out->typed_data(), m, k, n, type, layout};
+                 out->typed_data(), m, k, n, type, layout, CurrentBlocking().Get()};
   if (k == 0) {
     std::memset(p.out, 0, sizeof(float) * m * n);
     return ffi::Error::Success();
   }
 
-  Parallel(pool, kernels->tiles(p), static_cast<int64_t>(w.size_bytes()) >= kParallelBytes,
+  Parallel(&pool, kernels->tiles(p), static_cast<int64_t>(w.size_bytes()) >= kParallelBytes,
            [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
   return ffi::Error::Success();
 }
@@ -250,7 +269,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                           tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type, kv_type,
                           pieces, partials.data()};
   const bool worth_it = keys * t * h * d >= kParallelAttention;
-  Parallel(pool, b * kv * t * pieces, worth_it,
+  Parallel(&pool, b * kv * t * pieces, worth_it,
            [kernels, p](int64_t first, int64_t end) { kernels->attend(p, first, end); });
   kernels->combine(p, 0, b * t * h);  // a few floats a row: not worth a thread
   return ffi::Error::Success();
@@ -304,4 +323,49 @@ extern "C" const char* s3d_cpu_isa() {
 extern "C" int64_t s3d_cpu_panel() {
   const s3d::Kernels* k = Chosen();
   return k ? k->panel : 0;
+}
+
+// Sets the blocking of every later product; -1 where a value is out of range (nothing changes then).
+extern "C" int s3d_cpu_set_blocking(int64_t prefetch, int64_t chunk_bytes, int64_t tile_rows) {
+  if (prefetch < 0 || prefetch > (1 << 20) || chunk_bytes < 64 || chunk_bytes > (1 << 22) || tile_rows < 1 ||
+      tile_rows > 1024)
+    return -1;
+  SharedBlocking& b = CurrentBlocking();
+  b.prefetch = prefetch;
+  b.chunk_bytes = chunk_bytes;
+  b.tile_rows = tile_rows;
+  return 0;
+}
+
+// The blocking products take now, as three values: prefetch bytes, chunk bytes, tile rows.
+extern "C" void s3d_cpu_blocking(int64_t* out) {
+  s3d::Blocking b = CurrentBlocking().Get();
+  out[0] = b.prefetch;
+  out[1] = b.chunk_bytes;
+  out[2] = b.tile_rows;
+}
+
+// Milliseconds for the fastest of `repeats` passes of M-row products over `bytes` of fp32 weights at `w`, read as
+// packed [k, n] panels one product after another, as a decode step reads its layers; -1 on bad arguments. What the
+// blocking is chosen by (s3djax.kernel_tuning), under the blocking set now.
+extern "C" double s3d_cpu_time_products(const float* w, int64_t bytes, int64_t m, int64_t k, int64_t n,
+                                        int64_t repeats) {
+  const s3d::Kernels* kernels = Chosen();
+  if (!kernels || !w || m < 1 || m > 256 || k < 1 || n < 1 || n % kernels->panel || repeats < 1 ||
+      bytes < static_cast<int64_t>(sizeof(float)) * k * n)
+    return -1;
+  const int64_t products = bytes / (static_cast<int64_t>(sizeof(float)) * k * n);
+  std::vector<float> x(static_cast<size_t>(m * k), 0.01f), out(static_cast<size_t>(m * n));
+  double best = -1;
+  for (int64_t r = 0; r < repeats; ++r) {
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < products; ++i) {
+      s3d::Problem p{x.data(), w + i * k * n, nullptr, out.data(), m, k, n, s3d::WeightType::kF32,
+                     s3d::Layout::kPanels, CurrentBlocking().Get()};
+      Parallel(nullptr, kernels->tiles(p), true, [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
+    }
+    double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (best < 0 || ms < best) best = ms;
+  }
+  return best;
 }

@@ -11,6 +11,16 @@ enum class WeightType { kF32, kBF16, kS8 };
 // panels of P = Kernels::panel columns, each panel's K rows one after another (N / P panels, K x P each).
 enum class Layout { kKN, kNK, kPanels };
 
+// How a product's loops are blocked, chosen for the CPU at hand (measured once by s3djax.kernel_tuning, else
+// configs/defaults.yaml). None of it changes a result: each output element is the same fma chain under every blocking.
+struct Blocking {
+  int64_t prefetch = 0;        // bytes ahead in a weight stream to prefetch into L1 (0: leave it to the hardware)
+  int64_t chunk_bytes = 16 << 10;  // K is walked in chunks of this many weight bytes where a tile has several
+                                   // register blocks of rows, so later blocks read the chunk from L1
+  int64_t tile_rows = 16;      // rows of x a tile holds at most: more rows read each weight fewer times, fewer
+                               // give the threads more tiles to share
+};
+
 // out[M, N] = x[M, K] @ W, times scale[N] where `scale` is not null (int8's per-output-channel scales),
 // accumulated in fp32.
 struct Problem {
@@ -21,6 +31,7 @@ struct Problem {
   int64_t m, k, n;
   WeightType type;
   Layout layout;
+  Blocking blocking;
 };
 
 // Attention of T new query rows over a KV cache: row t of batch b sees every slot below lengths[b], and the

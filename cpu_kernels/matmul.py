@@ -94,7 +94,45 @@ def _library():
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     lib.s3d_cpu_isa.restype = ctypes.c_char_p
     lib.s3d_cpu_panel.restype = ctypes.c_int64
+    lib.s3d_cpu_set_blocking.argtypes = [ctypes.c_int64] * 3
+    lib.s3d_cpu_blocking.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.s3d_cpu_blocking.restype = None
+    lib.s3d_cpu_time_products.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5
+    lib.s3d_cpu_time_products.restype = ctypes.c_double
     return lib
+
+
+# How the kernel's loops are blocked (cpu_kernels/matmul.h's Blocking): none of it changes a result.
+BLOCKING = ("prefetch", "chunk_bytes", "tile_rows")
+
+
+def set_blocking(blocking: dict) -> None:
+    """Every later product takes `blocking` ({name: int} over BLOCKING)."""
+    if unavailable():
+        raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
+    if _library().s3d_cpu_set_blocking(*(int(blocking[k]) for k in BLOCKING)):
+        raise ValueError(f"the CPU matmul takes no blocking {blocking}")
+
+
+def blocking() -> dict | None:
+    """The blocking products take now, or None where the kernel is unavailable."""
+    if unavailable():
+        return None
+    out = (ctypes.c_int64 * 3)()
+    _library().s3d_cpu_blocking(out)
+    return dict(zip(BLOCKING, out))
+
+
+def time_products(w: np.ndarray, m: int, k: int, n: int, repeats: int) -> float:
+    """Milliseconds for the fastest of `repeats` passes of M-row products over the fp32 buffer `w`, read as
+    packed [k, n] panels one after another (as a decode step reads its layers), under the blocking set now."""
+    if unavailable():
+        raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
+    w = np.ascontiguousarray(w, np.float32)
+    ms = _library().s3d_cpu_time_products(w.ctypes.data, w.nbytes, m, k, n, repeats)
+    if ms < 0:
+        raise ValueError(f"cannot time {m}-row products of [{k}, {n}] panels over {w.nbytes} bytes")
+    return ms
 
 
 @functools.cache

@@ -3,7 +3,7 @@
     python -m infer.tune [--model smollm2-135m] [--methods s3d,lookup] [--dtype float32] [--quant int8-all] [--again]
 
 A method run with its depth unset does this once by itself (`s3djax.defaults`); this command does it on purpose,
-re-measures with --again, and prints each depth's step times and predicted speed against `ar`, greedy and sampled
+re-measures with --again (the CPU matmul's blocking too, `s3djax.kernel_tuning`), and prints each depth's step times and predicted speed against `ar`, greedy and sampled
 (temperature 0.7, top-p 0.9, where the record has it). --out also writes the table as DIR/tune.md.
 """
 
@@ -54,13 +54,22 @@ def main(argv=None):
     from s3djax.sampling import GREEDY, Sampling
 
     defaults.mode()  # a bad S3DJAX_DEFAULTS fails here, in one line
+    if args.again:  # the CPU matmul's blocking too, chosen as the weights are laid out for it
+        os.environ[defaults.ENV] = "again"
     gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, quant=args.quant)
+    from cpu_kernels import matmul
+
+    blocking = matmul.blocking() if matmul.unavailable() is None else None
     lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
              + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
              f"- step times: the fastest of {defaults.ROUNDS} runs of {defaults.REPEATS} steps, at {defaults.CONTEXT} "
              f"tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
-             f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)", ""]
+             f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
+    if blocking:
+        lines.append("- CPU matmul blocking, chosen on this machine (s3djax.kernel_tuning): "
+                     + ", ".join(f"{k} {v}" for k, v in blocking.items()))
+    lines.append("")
     for method in args.methods:
         choices = {}
         for name, sampling in (("greedy", GREEDY), ("sampled", Sampling(temperature=0.7, top_p=0.9))):

@@ -115,8 +115,12 @@ def acceptance_record(model: str, method: str, draft_path: str | None, greedy: b
 
 def _key(method: str, setting: dict) -> str:
     """The machine (CPU or GPU, jax), the method and its `setting` (model, weights' shapes and dtypes, options but the
-    depth): what the step times depend on."""
-    text = json.dumps([device.describe(), method, setting], sort_keys=True, default=str)
+    depth), and the CPU matmul's blocking: what the step times depend on."""
+    from cpu_kernels import matmul
+
+    blocking = matmul.blocking() if jax.default_backend() == "cpu" else None
+    text = json.dumps([device.describe(), method, setting] + ([blocking] if blocking else []), sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -21,6 +21,31 @@ def cpu_name(cpuinfo: str) -> str:
     return fields.get("model name", "cpu") + (f" ({detail})" if detail else "")
 
 
+def cpu_caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
+    """{"L1d": bytes, "L2": bytes, ...}: the first CPU's data and unified caches as sysfs lists them ({} where it
+    cannot be read). The last level is shared; the others are per core."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    caches = {}
+    try:
+        for index in sorted(x for x in os.listdir(root) if x.startswith("index")):
+            fields = {}
+            for name in ("level", "type", "size"):
+                with open(os.path.join(root, index, name)) as f:
+                    fields[name] = f.read().strip()
+            if fields["type"] == "Instruction":
+                continue
+            size = fields["size"]
+            label = f"L{fields['level']}" + ("d" if fields["type"] == "Data" else "")
+            caches[label] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError):
+        return {}
+    return caches
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KiB"
+
+
 def describe() -> str:
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -29,7 +54,8 @@ def describe() -> str:
                 name = cpu_name(f.read())
         except OSError:
             name = "cpu"
-        return f"CPU: {name}, {os.cpu_count()} cores (jax {jax.__version__})"
+        caches = ", ".join(f"{label} {_size(n)}" for label, n in cpu_caches().items())
+        return f"CPU: {name}, {os.cpu_count()} cores" + (f", {caches}" if caches else "") + f" (jax {jax.__version__})"
     return f"{dev.platform.upper()}: {dev.device_kind} (jax {jax.__version__})"
 
 

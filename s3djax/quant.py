@@ -331,6 +331,9 @@ def pack_for_cpu(params):
 
     if jax.default_backend() != "cpu" or not matmul.usable():
         return params
+    from s3djax import kernel_tuning
+
+    kernel_tuning.ensure()
     panel = matmul.panel()
 
     def convert(path, w):

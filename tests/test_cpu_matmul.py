@@ -61,6 +61,40 @@ def test_kernel_against_reference_and_rows_alone():
     check_all()
 
 
+def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
+    """Prefetch distance, K chunk and rows a tile holds change how the loops run, never a result: under every
+    combination in the tuner's search, every dtype and layout gives the bits of the fixed blocking, row by row."""
+    import itertools
+
+    from s3djax import kernel_tuning
+
+    space = {}
+    for settings, _ in kernel_tuning.SEARCH:
+        space.update(settings)
+    fixed = kernel_tuning.fallback()
+    cases = []
+    for dtype in DTYPES.values():
+        for layout in cm.LAYOUTS:
+            for m, k, n in [(5, 577, 70), (9, 1030, 129), (17, 300, 33), (33, 64, 200)]:
+                n = cm.panel() * 2 if layout == "panels" else n
+                x, w, scale = inputs(m, k, n, dtype, layout)
+                product = jax.jit(lambda x, w, s, layout=layout: cm.matmul(x, w, s, layout))
+                cases.append((product, x, w, scale))
+    try:
+        cm.set_blocking(fixed)
+        want = [np.asarray(product(x, w, s)) for product, x, w, s in cases]
+        for values in itertools.product(*space.values()):
+            cm.set_blocking(dict(zip(space, values)))
+            assert cm.blocking() == dict(zip(space, values))
+            for (product, x, w, s), expected in zip(cases, want):
+                assert (np.asarray(product(x, w, s)) == expected).all(), (values, x.shape, w.dtype)
+    finally:
+        cm.set_blocking(fixed)
+    with pytest.raises(ValueError, match="no blocking"):
+        cm.set_blocking({**fixed, "tile_rows": 0})
+    assert cm.blocking() == fixed
+
+
 def on_avx2(module: str):
     """Run `module`'s check_all in a subprocess on the AVX2 loops (what a CPU without AVX-512 runs)."""
     if cm.isa() == "avx2":
