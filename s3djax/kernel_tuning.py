@@ -1,10 +1,10 @@
 """The CPU matmul's blocking (how far ahead it prefetches, its K chunk, the rows a tile holds), chosen on the machine
-at hand: a 5-row product cost 1.45x a 1-row one on an Intel Xeon with the blocking tuned on a Zen 4, and 1.15x with
-its own (docs/kernels.md#blocking). No blocking changes a result (each output element is one fma chain over K).
+at hand: the blocking picked by hand on a Zen 4 left multi-row products on an Intel Xeon far slower than that CPU's
+own (docs/kernels.md#blocking). No blocking changes a result (each output element is one fma chain over K).
 
 The first time the kernel runs on a machine it times a few blockings on products the size of SmolLM2's layers over
 weights larger than the last-level cache (a second or two; one line says so), and caches the choice in the user's
-cache (`kernel-blocking.json`) by machine (CPU model, jax), kernel build and search space. S3DJAX_DEFAULTS is the
+cache (`kernel-blocking.json`) by machine (CPU model, cores, cache sizes, jax), kernel build and search space. S3DJAX_DEFAULTS is the
 switch, as for the methods' defaults: `again` measures anew, `fixed` takes configs/defaults.yaml's `cpu_kernel`.
 """
 
