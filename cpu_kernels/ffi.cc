@@ -362,7 +362,8 @@ extern "C" double s3d_cpu_time_products(const float* w, int64_t bytes, int64_t m
     for (int64_t i = 0; i < products; ++i) {
       s3d::Problem p{x.data(), w + i * k * n, nullptr, out.data(), m, k, n, s3d::WeightType::kF32,
                      s3d::Layout::kPanels, CurrentBlocking().Get()};
-      Parallel(nullptr, kernels->tiles(p), true, [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
+      Parallel(nullptr, kernels->tiles(p), true,
+               [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
     }
     double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (best < 0 || ms < best) best = ms;

@@ -115,8 +115,9 @@ def set_blocking(blocking: dict) -> None:
 
 
 def blocking() -> dict | None:
-    """The blocking products take now, or None where the kernel is unavailable."""
-    if unavailable():
+    """The blocking products take now, or None where no product takes it: the kernel is unavailable, or the backend
+    is not the CPU (what a step's times depend on, s3djax.defaults)."""
+    if unavailable() or jax.default_backend() != "cpu":
         return None
     out = (ctypes.c_int64 * 3)()
     _library().s3d_cpu_blocking(out)

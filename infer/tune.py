@@ -3,7 +3,8 @@
     python -m infer.tune [--model smollm2-135m] [--methods s3d,lookup] [--dtype float32] [--quant int8-all] [--again]
 
 A method run with its depth unset does this once by itself (`s3djax.defaults`); this command does it on purpose,
-re-measures with --again (the CPU matmul's blocking too, `s3djax.kernel_tuning`), and prints each depth's step times and predicted speed against `ar`, greedy and sampled
+re-measures with --again (the CPU matmul's blocking too, `s3djax.kernel_tuning`), and prints each depth's step times
+and predicted speed against `ar`, greedy and sampled
 (temperature 0.7, top-p 0.9, where the record has it). --out also writes the table as DIR/tune.md.
 """
 
@@ -49,7 +50,7 @@ def table(method: str, choices: dict) -> list[str]:
 
 def main(argv=None):
     args = parse_args(argv)
-    from s3djax import defaults, device
+    from s3djax import defaults, device, kernel_tuning
     from s3djax.generator import Generator
     from s3djax.sampling import GREEDY, Sampling
 
@@ -59,7 +60,7 @@ def main(argv=None):
     gen = Generator(args.model, checkpoint=args.checkpoint, dtype=args.dtype, quant=args.quant)
     from cpu_kernels import matmul
 
-    blocking = matmul.blocking() if matmul.unavailable() is None else None
+    blocking = matmul.blocking()
     lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
              + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
@@ -68,7 +69,7 @@ def main(argv=None):
              f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
     if blocking:
         lines.append("- CPU matmul blocking, chosen on this machine (s3djax.kernel_tuning): "
-                     + ", ".join(f"{k} {v}" for k, v in blocking.items()))
+                     + kernel_tuning.describe(blocking))
     lines.append("")
     for method in args.methods:
         choices = {}

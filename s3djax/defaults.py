@@ -118,7 +118,7 @@ def _key(method: str, setting: dict) -> str:
     depth), and the CPU matmul's blocking: what the step times depend on."""
     from cpu_kernels import matmul
 
-    blocking = matmul.blocking() if jax.default_backend() == "cpu" else None
+    blocking = matmul.blocking()
     text = json.dumps([device.describe(), method, setting] + ([blocking] if blocking else []), sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

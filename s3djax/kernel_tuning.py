@@ -4,8 +4,9 @@ own (docs/kernels.md#blocking). No blocking changes a result (each output elemen
 
 The first time the kernel runs on a machine it times a few blockings on products the size of SmolLM2's layers over
 weights larger than the last-level cache (a second or two; one line says so), and caches the choice in the user's
-cache (`kernel-blocking.json`) by machine (CPU model, cores, cache sizes, jax), kernel build and search space. S3DJAX_DEFAULTS is the
-switch, as for the methods' defaults: `again` measures anew, `fixed` takes configs/defaults.yaml's `cpu_kernel`.
+cache (`kernel-blocking.json`) by machine (CPU model, cores, cache sizes, jax), kernel build and search space.
+S3DJAX_DEFAULTS is the switch, as for the methods' defaults: `again` measures anew, `fixed` takes
+configs/defaults.yaml's `cpu_kernel`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def choose(time_ms, start: dict) -> dict:
         score = [sum(t[m] / fastest[m] for m in rows) for t in times]
         best.update(candidates[score.index(min(score))])
     return best
+
+
+def describe(blocking: dict) -> str:
+    """"prefetch 4096, chunk_bytes 16384, tile_rows 32": a blocking as the stderr line and `infer.tune` name it."""
+    return ", ".join(f"{k} {v}" for k, v in blocking.items())
 
 
 def fallback() -> dict:
@@ -105,8 +111,7 @@ def ensure() -> dict | None:
             print("tuning the CPU matmul's blocking on this machine (once)...", file=sys.stderr, end="", flush=True)
             start = time.perf_counter()
             chosen = measure()
-            print(f" {time.perf_counter() - start:.1f} s: " + ", ".join(f"{k} {v}" for k, v in chosen.items()),
-                  file=sys.stderr)
+            print(f" {time.perf_counter() - start:.1f} s: {describe(chosen)}", file=sys.stderr)
             table[key] = {**chosen, "device": device.describe()}
             user_cache.write_table(TABLE, table)
         else:
