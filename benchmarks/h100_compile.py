@@ -338,7 +338,7 @@ def compile_case(case: str, with_cost: bool = False) -> dict:
 
     fn, args, donate = case_function(case)
     sharding, kind = target_sharding()
-    options = compile_options.for_step(args)  # as the Runner compiles the same step
+    options = compile_options.for_step(args, "cuda")  # as the Runner compiles the same step
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         lowered = jax.jit(fn, donate_argnums=donate).trace(*on(sharding, args)).lower()

@@ -29,6 +29,12 @@ struct Avx2 {
   static V load(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  // W columns' bfloat16 pairs (k, k + 1), and each half of them as floats.
+  using VI = __m256i;
+  static constexpr bool kDotPairs = false;
+  static VI loadi(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V even(VI v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static V odd(VI v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V min(V a, V b) { return _mm256_min_ps(a, b); }
@@ -53,7 +59,7 @@ struct Avx2 {
   }
 };
 
-const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run,
+const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, Avx2::kDotPairs, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run,
                              &Attention<Avx2>::Run, &Attention<Avx2>::Combine};
 
 }  // namespace

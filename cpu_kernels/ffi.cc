@@ -30,13 +30,16 @@ int64_t Env(const char* name, int64_t fallback) {
 }
 
 const s3d::Kernels* ChooseKernels() {
-  const char* want = std::getenv("S3DJAX_CPU_ISA");  // force a narrower ISA, to measure one against the other
+  // S3DJAX_CPU_ISA forces a narrower ISA ("avx2", "avx512"), to measure one against the other.
+  const char* want = std::getenv("S3DJAX_CPU_ISA");
+  auto narrower = [want](const char* isa) { return want && std::strcmp(want, isa) == 0; };
   __builtin_cpu_init();
   // Every flag each translation unit is compiled with (CMakeLists.txt), so no instruction it may hold is missing.
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512 && !(want && std::strcmp(want, "avx2") == 0)) return s3d::Avx512Kernels();
+                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && !narrower("avx2");
+  if (avx512 && __builtin_cpu_supports("avx512bf16") && !narrower("avx512")) return s3d::Avx512Bf16Kernels();
+  if (avx512) return s3d::Avx512Kernels();
   if (avx2) return s3d::Avx2Kernels();
   return nullptr;
 }
@@ -142,12 +145,13 @@ Helpers& OwnHelpers() {
 // The blocking every product takes, set by s3d_cpu_set_blocking (Python sets it once, before the first product).
 struct SharedBlocking {
   std::atomic<int64_t> prefetch{s3d::Blocking{}.prefetch}, chunk_bytes{s3d::Blocking{}.chunk_bytes},
-      tile_rows{s3d::Blocking{}.tile_rows};
+      tile_rows{s3d::Blocking{}.tile_rows}, pair_dot{s3d::Blocking{}.pair_dot};
   s3d::Blocking Get() const {
     s3d::Blocking b;
     b.prefetch = prefetch.load(std::memory_order_relaxed);
     b.chunk_bytes = chunk_bytes.load(std::memory_order_relaxed);
     b.tile_rows = tile_rows.load(std::memory_order_relaxed);
+    b.pair_dot = pair_dot.load(std::memory_order_relaxed);
     return b;
   }
 };
@@ -185,17 +189,18 @@ void Parallel(ffi::ThreadPool* pool, int64_t tiles, bool worth_it, std::function
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                  ffi::ResultBuffer<ffi::F32> out, int32_t layout_attr) {
+                  ffi::ResultBuffer<ffi::F32> out, int32_t layout_attr, int32_t x_bf16) {
   const s3d::Kernels* kernels = Chosen();
   if (!kernels) return ffi::Error::Internal("s3djax_matmul: this CPU has neither AVX2 with FMA nor AVX-512");
-  if (layout_attr < 0 || layout_attr > 2) return ffi::Error::InvalidArgument("s3djax_matmul: unknown layout");
+  if (layout_attr < 0 || layout_attr > 3) return ffi::Error::InvalidArgument("s3djax_matmul: unknown layout");
   auto layout = static_cast<s3d::Layout>(layout_attr);
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || od.size() != 2)
     return ffi::Error::InvalidArgument("s3djax_matmul: x, w and out must be 2-D");
   bool nk = layout == s3d::Layout::kNK;
   int64_t m = xd[0], k = xd[1], n = nk ? wd[0] : wd[1], wk = nk ? wd[1] : wd[0];
-  if (layout == s3d::Layout::kPanels && n % kernels->panel != 0)
+  bool panels = layout == s3d::Layout::kPanels || layout == s3d::Layout::kPairs;
+  if (panels && n % kernels->panel != 0)
     return ffi::Error::InvalidArgument("s3djax_matmul: packed panels do not divide N");
   if (wk != k) return ffi::Error::InvalidArgument("s3djax_matmul: x and w disagree on K");
   if (od[0] != m || od[1] != n) return ffi::Error::InvalidArgument("s3djax_matmul: out is not [M, N]");
@@ -208,9 +213,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     case ffi::DataType::S8: type = s3d::WeightType::kS8; break;
     default: return ffi::Error::InvalidArgument("s3djax_matmul: weights must be float32, bfloat16 or int8");
   }
+  if (layout == s3d::Layout::kPairs && (type != s3d::WeightType::kBF16 || k % 2))
+    return ffi::Error::InvalidArgument("s3djax_matmul: weights packed in pairs must be bfloat16 with K even");
   if (m == 0 || n == 0) return ffi::Error::Success();
   s3d::Problem p{x.typed_data(), w.untyped_data(), scale.element_count() ? scale.typed_data() : nullptr,
-                 out->typed_data(), m, k, n, type, layout, CurrentBlocking().Get()};
+                 out->typed_data(), m, k, n, type, layout, CurrentBlocking().Get(), x_bf16 != 0};
   if (k == 0) {
     std::memset(p.out, 0, sizeof(float) * m * n);
     return ffi::Error::Success();
@@ -311,7 +318,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S3dMatmul, Matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("layout"));
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("x_bf16"));
 
 // The vector unit the kernels run on here, or null: Python asks before registering the handler.
 extern "C" const char* s3d_cpu_isa() {
@@ -325,43 +333,54 @@ extern "C" int64_t s3d_cpu_panel() {
   return k ? k->panel : 0;
 }
 
+// Whether the vector unit here multiplies bfloat16 pairs in one instruction (Blocking::pair_dot): 1 or 0.
+extern "C" int s3d_cpu_pair_dot() {
+  const s3d::Kernels* k = Chosen();
+  return k && k->pair_dot;
+}
+
 // Sets the blocking of every later product; -1 where a value is out of range (nothing changes then).
-extern "C" int s3d_cpu_set_blocking(int64_t prefetch, int64_t chunk_bytes, int64_t tile_rows) {
+extern "C" int s3d_cpu_set_blocking(int64_t prefetch, int64_t chunk_bytes, int64_t tile_rows, int64_t pair_dot) {
   if (prefetch < 0 || prefetch > (1 << 20) || chunk_bytes < 64 || chunk_bytes > (1 << 22) || tile_rows < 1 ||
-      tile_rows > 1024)
+      tile_rows > 1024 || pair_dot < 0 || pair_dot > 1)
     return -1;
   SharedBlocking& b = CurrentBlocking();
   b.prefetch = prefetch;
   b.chunk_bytes = chunk_bytes;
   b.tile_rows = tile_rows;
+  b.pair_dot = pair_dot;
   return 0;
 }
 
-// The blocking products take now, as three values: prefetch bytes, chunk bytes, tile rows.
+// The blocking products take now, as four values: prefetch bytes, chunk bytes, tile rows, pair_dot.
 extern "C" void s3d_cpu_blocking(int64_t* out) {
   s3d::Blocking b = CurrentBlocking().Get();
   out[0] = b.prefetch;
   out[1] = b.chunk_bytes;
   out[2] = b.tile_rows;
+  out[3] = b.pair_dot;
 }
 
-// Milliseconds for the fastest of `repeats` passes of M-row products over `bytes` of fp32 weights at `w`, read as
-// packed [k, n] panels one product after another, as a decode step reads its layers; -1 on bad arguments. What the
-// blocking is chosen by (s3djax.kernel_tuning), under the blocking set now.
-extern "C" double s3d_cpu_time_products(const float* w, int64_t bytes, int64_t m, int64_t k, int64_t n,
-                                        int64_t repeats) {
+// Milliseconds for the fastest of `repeats` passes of M-row products over `bytes` of weights at `w`, read as packed
+// [k, n] panels one product after another, as a decode step reads its layers: fp32 panels, or (bf16 1) bfloat16
+// panels in pairs of rows times bfloat16 x; -1 on bad arguments. What the blocking is chosen by
+// (s3djax.kernel_tuning), under the blocking set now.
+extern "C" double s3d_cpu_time_products(const void* w, int64_t bytes, int64_t m, int64_t k, int64_t n,
+                                        int64_t repeats, int32_t bf16) {
   const s3d::Kernels* kernels = Chosen();
+  const int64_t size = bf16 ? 2 : 4;
   if (!kernels || !w || m < 1 || m > 256 || k < 1 || n < 1 || n % kernels->panel || repeats < 1 ||
-      bytes < static_cast<int64_t>(sizeof(float)) * k * n)
+      (bf16 && k % 2) || bytes < size * k * n)
     return -1;
-  const int64_t products = bytes / (static_cast<int64_t>(sizeof(float)) * k * n);
-  std::vector<float> x(static_cast<size_t>(m * k), 0.01f), out(static_cast<size_t>(m * n));
+  const int64_t products = bytes / (size * k * n);
+  std::vector<float> x(static_cast<size_t>(m * k), 0.0078125f), out(static_cast<size_t>(m * n));
   double best = -1;
   for (int64_t r = 0; r < repeats; ++r) {
     auto start = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < products; ++i) {
-      s3d::Problem p{x.data(), w + i * k * n, nullptr, out.data(), m, k, n, s3d::WeightType::kF32,
-                     s3d::Layout::kPanels, CurrentBlocking().Get()};
+      s3d::Problem p{x.data(), static_cast<const char*>(w) + i * size * k * n, nullptr, out.data(), m, k, n,
+                     bf16 ? s3d::WeightType::kBF16 : s3d::WeightType::kF32,
+                     bf16 ? s3d::Layout::kPairs : s3d::Layout::kPanels, CurrentBlocking().Get(), bf16 != 0};
       Parallel(nullptr, kernels->tiles(p), true,
                [kernels, p](int64_t first, int64_t end) { kernels->run(p, first, end); });
     }

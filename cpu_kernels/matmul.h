@@ -7,18 +7,25 @@ namespace s3d {
 
 enum class WeightType { kF32, kBF16, kS8 };
 
-// How W is stored: [K, N] (linears), [N, K] (embedding tables as the LM head), or packed for the kernel in
-// panels of P = Kernels::panel columns, each panel's K rows one after another (N / P panels, K x P each).
-enum class Layout { kKN, kNK, kPanels };
+// How W is stored: [K, N] (linears), [N, K] (embedding tables as the LM head), packed for the kernel in
+// panels of P = Kernels::panel columns, each panel's K rows one after another (N / P panels, K x P each), or
+// (bfloat16, K even) in panels whose K rows come in pairs, a column's two values side by side
+// ([N / P, K / 2, P, 2]): one load holds two rows' weights, split by a shift and a mask (or multiplied as pairs
+// by AVX-512 BF16's instruction).
+enum class Layout { kKN, kNK, kPanels, kPairs };
 
 // How a product's loops are blocked, chosen for the CPU at hand (measured once by s3djax.kernel_tuning, else
-// configs/defaults.yaml). None of it changes a result: each output element is the same fma chain under every blocking.
+// configs/defaults.yaml). None of it changes a result: each output element is the same fma chain under every blocking
+// (the pair instruction flushes subnormal values, below 1.2e-38, to zero, where the fma pair keeps them).
 struct Blocking {
   int64_t prefetch = 0;        // bytes ahead in a weight stream to prefetch into L1 (0: leave it to the hardware)
   int64_t chunk_bytes = 16 << 10;  // K is walked in chunks of this many weight bytes where a tile has several
                                    // register blocks of rows, so later blocks read the chunk from L1
   int64_t tile_rows = 16;      // rows of x a tile holds at most: more rows read each weight fewer times, fewer
                                // give the threads more tiles to share
+  int64_t pair_dot = 0;        // 1: bfloat16 pairs (kPairs, x bfloat16) multiplied by the ISA's pair instruction
+                               // where it has one (Kernels::pair_dot), which adds a pair's products as the fma pair
+                               // does, k + 1 first; it is faster on some CPUs and slower on others
 };
 
 // out[M, N] = x[M, K] @ W, times scale[N] where `scale` is not null (int8's per-output-channel scales),
@@ -32,6 +39,7 @@ struct Problem {
   WeightType type;
   Layout layout;
   Blocking blocking;
+  bool x_bf16 = false;  // x's values are all bfloat16 (the model's activations are): a pair of them is exact in 32 bits
 };
 
 // Attention of T new query rows over a KV cache: row t of batch b sees every slot below lengths[b], and the
@@ -57,12 +65,14 @@ struct AttentionProblem {
 constexpr int64_t kPieceKeys = 256;
 
 // A product's tiles are its column tiles (which depend on N and the ISA only) times groups of rows, and
-// each output element is one fixed sequence of fused multiply-adds over K: row i of an M-row product is
-// bit-identical to the same row computed alone, and to any split of the tiles across threads.
+// each output element is one fixed sequence of fused multiply-adds over K (or, on pairs of bfloat16 values, of
+// the vector unit's pair products, one per two K): row i of an M-row product is bit-identical to the same row
+// computed alone, and to any split of the tiles across threads.
 struct Kernels {
   const char* name;
   int64_t lanes;  // floats per vector
   int64_t panel;  // columns per packed panel
+  bool pair_dot;  // the vector unit multiplies bfloat16 pairs in one instruction (Blocking::pair_dot)
   int64_t (*tiles)(const Problem&);
   void (*run)(const Problem&, int64_t first_tile, int64_t end_tile);
   // Attention's tiles are (batch, KV head, query row, piece) tuples, B * KV * T * pieces of them; a head holds at
@@ -74,6 +84,7 @@ struct Kernels {
 
 const Kernels* Avx2Kernels();
 const Kernels* Avx512Kernels();
+const Kernels* Avx512Bf16Kernels();
 
 // This thread's scratch for the attention tiles, at least `n` elements, owned by ffi.cc (built for the baseline
 // ISA): the per-ISA translation units hold no std:: containers, whose inline code each would emit as a weak symbol

@@ -9,7 +9,10 @@ product is bit-identical to the same row decoded alone.
 The weight's layout is one of LAYOUTS: "kn" [K, N] (a linear as the model holds it), "nk" [N, K] (an
 embedding table used as the LM head), or "panels": a linear packed once by `pack` into panels of P
 columns (`panel()`, the vector unit's), each panel's K rows one after another, so that a panel is one
-sequential stream where a plain [K, N] weight's column tiles are strided reads. Packed weights keep the
+sequential stream where a plain [K, N] weight's column tiles are strided reads; or "pairs", bfloat16 panels
+whose K rows come two at a time, a column's two values side by side, so one load holds two rows' weights (and
+where the vector unit multiplies bfloat16 pairs, `pair_dot()`, and x is bfloat16, one instruction may add both
+products: the blocking's `pair_dot`, measured). Packed weights keep the
 shape [K, N] (the model's modules check their params' shapes); only the order of their elements changes. int8 weights
 bring one fp32 scale per output column. Products accumulate and come out in fp32.
 """
@@ -34,24 +37,34 @@ SWITCH = "S3DJAX_CPU_KERNEL"   # "0" turns the kernel off: every product goes th
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
-LAYOUTS = ("kn", "nk", "panels")
+LAYOUTS = ("kn", "nk", "panels", "pairs")
 
 
-def pack(w, panel: int):
-    """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]."""
+def pack(w, panel: int, pairs: bool = False):
+    """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]; with `pairs`
+    (K even), each panel's rows two at a time, a column's two values side by side."""
     k, n = w.shape
+    if pairs:
+        return w.reshape(k // 2, 2, n // panel, panel).transpose(2, 0, 3, 1).reshape(k, n)
     return w.reshape(k, n // panel, panel).transpose(1, 0, 2).reshape(k, n)
 
 
-def unpack(w, panel: int):
+def unpack(w, panel: int, pairs: bool = False):
     """`pack` undone."""
     k, n = w.shape
+    if pairs:
+        return w.reshape(n // panel, k // 2, panel, 2).transpose(1, 3, 0, 2).reshape(k, n)
     return w.reshape(n // panel, k, panel).transpose(1, 0, 2).reshape(k, n)
+
+
+def packs_pairs(dtype, k: int) -> bool:
+    """Whether a packed weight of `dtype` over K inputs goes in pairs of rows: bfloat16, K even."""
+    return dtype == jnp.bfloat16 and k % 2 == 0
 
 
 def reference(x, w, scale=None, layout: str = "kn"):
     """x [..., K] @ w in `layout`, times scale [N] if given, in fp32: [..., N]."""
-    w = unpack(w, panel()) if layout == "panels" else w
+    w = unpack(w, panel(), layout == "pairs") if layout in ("panels", "pairs") else w
     out = jnp.einsum("...k,nk->...n" if layout == "nk" else "...k,kn->...n", x.astype(jnp.float32),
                      w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return out if scale is None else out * scale
@@ -79,7 +92,7 @@ def unavailable() -> str | None:
 
 @functools.cache
 def isa() -> str | None:
-    """The vector unit the kernel runs on ("avx512", "avx2"), or None where it is unavailable."""
+    """The vector unit the kernel runs on ("avx512-bf16", "avx512", "avx2"), or None where it is unavailable."""
     return None if unavailable() else _library().s3d_cpu_isa().decode()
 
 
@@ -90,20 +103,28 @@ def panel() -> int:
 
 
 @functools.cache
+def pair_dot() -> bool:
+    """Whether this CPU's vector unit multiplies bfloat16 pairs in one instruction (AVX-512 BF16), which the blocking's
+    `pair_dot` may then take."""
+    return not unavailable() and bool(_library().s3d_cpu_pair_dot())
+
+
+@functools.cache
 def _library():
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     lib.s3d_cpu_isa.restype = ctypes.c_char_p
     lib.s3d_cpu_panel.restype = ctypes.c_int64
-    lib.s3d_cpu_set_blocking.argtypes = [ctypes.c_int64] * 3
+    lib.s3d_cpu_pair_dot.restype = ctypes.c_int
+    lib.s3d_cpu_set_blocking.argtypes = [ctypes.c_int64] * len(BLOCKING)
     lib.s3d_cpu_blocking.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.s3d_cpu_blocking.restype = None
-    lib.s3d_cpu_time_products.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5
+    lib.s3d_cpu_time_products.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_int32]
     lib.s3d_cpu_time_products.restype = ctypes.c_double
     return lib
 
 
 # How the kernel's loops are blocked (cpu_kernels/matmul.h's Blocking): none of it changes a result.
-BLOCKING = ("prefetch", "chunk_bytes", "tile_rows")
+BLOCKING = ("prefetch", "chunk_bytes", "tile_rows", "pair_dot")
 
 
 def set_blocking(blocking: dict) -> None:
@@ -119,18 +140,19 @@ def blocking() -> dict | None:
     is not the CPU (what a step's times depend on, s3djax.defaults)."""
     if unavailable() or jax.default_backend() != "cpu":
         return None
-    out = (ctypes.c_int64 * 3)()
+    out = (ctypes.c_int64 * len(BLOCKING))()
     _library().s3d_cpu_blocking(out)
     return dict(zip(BLOCKING, out))
 
 
-def time_products(w: np.ndarray, m: int, k: int, n: int, repeats: int) -> float:
-    """Milliseconds for the fastest of `repeats` passes of M-row products over the fp32 buffer `w`, read as
-    packed [k, n] panels one after another (as a decode step reads its layers), under the blocking set now."""
+def time_products(w: np.ndarray, m: int, k: int, n: int, repeats: int, bf16: bool = False) -> float:
+    """Milliseconds for the fastest of `repeats` passes of M-row products over the buffer `w`, read as packed [k, n]
+    panels one after another (as a decode step reads its layers), under the blocking set now: fp32 panels, or with
+    `bf16` bfloat16 panels in pairs of rows (its bytes, whatever its dtype) times bfloat16 x."""
     if unavailable():
         raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
-    w = np.ascontiguousarray(w, np.float32)
-    ms = _library().s3d_cpu_time_products(w.ctypes.data, w.nbytes, m, k, n, repeats)
+    w = np.ascontiguousarray(w)
+    ms = _library().s3d_cpu_time_products(w.ctypes.data, w.nbytes, m, k, n, repeats, int(bf16))
     if ms < 0:
         raise ValueError(f"cannot time {m}-row products of [{k}, {n}] panels over {w.nbytes} bytes")
     return ms
@@ -151,7 +173,7 @@ def _call(x, w, scale, layout: str):
     x2 = x.reshape(-1, k).astype(jnp.float32)
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")(
-        x2, w, scale, layout=np.int32(LAYOUTS.index(layout)))
+        x2, w, scale, layout=np.int32(LAYOUTS.index(layout)), x_bf16=np.int32(x.dtype == jnp.bfloat16))
     return out.reshape(*lead, n)
 
 
@@ -162,9 +184,10 @@ def matmul(x, w, scale=None, layout: str = "kn"):
     if unavailable():
         raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
     if w.dtype not in WEIGHT_DTYPES or w.ndim != 2 or x.shape[-1] != w.shape[layout == "nk"] or (
-            layout == "panels" and w.shape[1] % panel()):
+            layout in ("panels", "pairs") and w.shape[1] % panel()) or (
+            layout == "pairs" and (w.dtype != jnp.bfloat16 or w.shape[0] % 2)):
         raise ValueError(f"the CPU matmul takes x [..., K] and a float32, bfloat16 or int8 weight in layout "
-                         f"{layout!r}; got x {x.shape} and {w.dtype.name} {w.shape}")
+                         f"{layout!r} (pairs: bfloat16, K even); got x {x.shape} and {w.dtype.name} {w.shape}")
     return _call(x, w, scale, layout)
 
 

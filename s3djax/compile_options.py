@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from s3djax import quant
 
 # XLA's command buffers (CUDA graphs) by default stop at a while loop, and a while loop whose trip count is
@@ -18,9 +20,19 @@ COMMAND_BUFFERS = XLA_DEFAULT + ",WHILE"
 ENV = "S3DJAX_COMMAND_BUFFERS"
 
 
-def for_step(params) -> dict:
+def for_step(params, platform: str | None = None) -> dict:
+    """The options for a step over `params` compiled for `platform` (default: the default backend's)."""
     buffers = os.environ.get(ENV, COMMAND_BUFFERS)
     # A decode loop is one while thunk, and XLA forms no graph of fewer thunks than its minimum (5): without this,
     # WHILE turns a loop whose body was a graph into one with no graph at all.
     smallest = {"xla_gpu_graph_min_graph_size": 1} if "WHILE" in buffers.split(",") else {}
-    return {"xla_gpu_enable_command_buffer": buffers, **smallest, **quant.compiler_options(params)}
+    return {"xla_gpu_enable_command_buffer": buffers, **smallest, **quant.compiler_options(params),
+            **exact_rounding(platform or jax.default_backend())}
+
+
+def exact_rounding(platform: str) -> dict:
+    """On the CPU, every bfloat16 value rounded where the program says: by default XLA may keep a fused bfloat16
+    intermediate in fp32, so a layer's output rounds or not by how the step around it fused, and Kangaroo's verify,
+    which resumes from the exit states its drafts stored, left greedy `ar`'s tokens in bfloat16 on 11 of 20 MT-Bench
+    answers (docs/kernels.md#bfloat16-pairs). A GPU's products round by their tiling anyway (docs/gpu.md)."""
+    return {"xla_allow_excess_precision": False} if platform == "cpu" else {}

@@ -22,29 +22,37 @@ import time
 from s3djax import defaults, device, user_cache
 
 TABLE = "kernel-blocking.json"
-# The search, in stages, each over every combination of its settings' candidates at the rows they matter for (the
-# earlier stages' choices held): prefetching for a one-token step and a small verify; then the K chunk (where a
-# tile has several register blocks) with the rows a tile holds (where a product has more rows than 16), which
-# interact: a tile of 17 rows passes over each chunk three times.
-SEARCH = (({"prefetch": (0, 1024, 2048, 4096, 8192)}, (1, 5)),
-          ({"chunk_bytes": (8 << 10, 16 << 10, 32 << 10, 64 << 10), "tile_rows": (16, 32)}, (9, 17)))
+# The search, in stages, each over every combination of its settings' candidates at the rows they matter for, on
+# fp32 or bfloat16 weights (the earlier stages' choices held): prefetching for a one-token step and a small verify;
+# then the K chunk (where a tile has several register blocks) with the rows a tile holds (where a product has more
+# rows than 16), which interact: a tile of 17 rows passes over each chunk three times; then, where the vector unit
+# multiplies bfloat16 pairs (`matmul.pair_dot()`), whether its pair instruction beats widening each pair (on the
+# Intel Xeon of issue 68 it is slower, docs/kernels.md#bfloat16-pairs).
+SEARCH = (({"prefetch": (0, 1024, 2048, 4096, 8192)}, (1, 5), "fp32"),
+          ({"chunk_bytes": (8 << 10, 16 << 10, 32 << 10, 64 << 10), "tile_rows": (16, 32)}, (9, 17), "fp32"),
+          ({"pair_dot": (0, 1)}, (5, 17), "bf16"))
 K, N = 576, 1536          # SmolLM2's hidden and MLP widths
 ROUNDS, REPEATS = 3, 1    # every candidate in turn ROUNDS times, the fastest kept
 MIN_BYTES, MAX_BYTES = 64 << 20, 1 << 30
 
 
-def choose(time_ms, start: dict) -> dict:
-    """The blocking SEARCH finds from `start` where `time_ms(blocking, m)` gives a product's milliseconds: in each
-    stage, the combination with the least summed slowdown (time over the stage's fastest) over its rows, the first
-    listed among equals."""
+def stages(pair_dot: bool) -> tuple:
+    """SEARCH's stages a CPU has a choice in: the pair instruction's only where its vector unit has one."""
+    return tuple(stage for stage in SEARCH if pair_dot or "pair_dot" not in stage[0])
+
+
+def choose(time_ms, start: dict, pair_dot: bool = True) -> dict:
+    """The blocking SEARCH finds from `start` where `time_ms(blocking, m, weights)` gives the milliseconds of a product
+    over fp32 or bf16 weights: in each of the `stages`, the combination with the least summed slowdown (time over the
+    stage's fastest) over its rows, the first listed among equals."""
     best = dict(start)
-    for settings, rows in SEARCH:
+    for settings, rows, weights in stages(pair_dot):
         candidates = [dict(zip(settings, values)) for values in itertools.product(*settings.values())]
         times = [{m: float("inf") for m in rows} for _ in candidates]
         for _ in range(ROUNDS):
             for c, t in zip(candidates, times):
                 for m in rows:
-                    t[m] = min(t[m], time_ms({**best, **c}, m))
+                    t[m] = min(t[m], time_ms({**best, **c}, m, weights))
         fastest = {m: min(t[m] for t in times) for m in rows}
         score = [sum(t[m] / fastest[m] for m in rows) for t in times]
         best.update(candidates[score.index(min(score))])
@@ -69,14 +77,20 @@ def measure() -> dict:
 
     llc = max(device.cpu_caches().values(), default=MIN_BYTES)
     per = K * N * 4
-    w = np.full(min(MAX_BYTES, max(MIN_BYTES, 2 * llc)) // per * per // 4, 0.01, np.float32)
+    w = np.empty(min(MAX_BYTES, max(MIN_BYTES, 2 * llc)) // per * per // 4, np.float32)
+    # One buffer holds either weights: 0.01 in fp32, or in bfloat16 (0x3C24), each a normal number.
+    fill = {"fp32": lambda: w.fill(0.01), "bf16": lambda: w.view(np.uint16).fill(0x3C24)}
+    filled = [None]
 
-    def time_ms(blocking: dict, m: int) -> float:
+    def time_ms(blocking: dict, m: int, weights: str) -> float:
+        if filled[0] != weights:
+            fill[weights]()
+            filled[0] = weights
         matmul.set_blocking(blocking)
-        return matmul.time_products(w, m, K, N, REPEATS)
+        return matmul.time_products(w, m, K, N, REPEATS, bf16=weights == "bf16")
 
     try:
-        return choose(time_ms, fallback())
+        return choose(time_ms, fallback(), matmul.pair_dot())
     finally:
         matmul.set_blocking(fallback())
 

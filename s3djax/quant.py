@@ -48,7 +48,7 @@ class Int8Weight:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
-                   meta_fields=["dtype", "panel", "table"])
+                   meta_fields=["dtype", "panel", "table", "pairs"])
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A weight laid out once for the CPU kernel (`cpu_kernels.matmul.pack`): a linear [K, N], or a table
@@ -62,6 +62,7 @@ class Packed:
     dtype: str = "float32"  # the activations' dtype, which products come out in
     panel: int = 64         # columns of the [K, N] product per panel
     table: bool = False
+    pairs: bool = False     # bfloat16 panels in pairs of K rows (cpu_kernels.matmul's "pairs", `packs_pairs`)
 
     @property
     def shape(self):
@@ -75,14 +76,18 @@ class Packed:
         """The source weight, a plain array or an `Int8Weight`: what XLA's paths read."""
         from cpu_kernels.matmul import unpack
 
-        w = unpack(self.kn(), self.panel)
+        w = unpack(self.kn(), self.panel, self.pairs)
         w = w.T if self.table else w
         return w if self.scale is None else Int8Weight(w, self.scale, 0 if self.table else 1, self.dtype)
 
     def table_rows(self, ids):
         """Rows of a packed table, gathered from its panels without unpacking the rest."""
         n, k = self.values.shape
-        values = self.values.reshape(n // self.panel, k, self.panel)[ids // self.panel, :, ids % self.panel]
+        if self.pairs:
+            values = self.values.reshape(n // self.panel, k // 2, self.panel, 2)[ids // self.panel, :, ids % self.panel]
+            values = values.reshape(*values.shape[:-2], k)
+        else:
+            values = self.values.reshape(n // self.panel, k, self.panel)[ids // self.panel, :, ids % self.panel]
         return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype)
 
 
@@ -316,7 +321,7 @@ def _cpu_kernel(h, w, *, layout: str, out=None):
     from cpu_kernels import matmul
 
     if isinstance(w, Packed):
-        values, scale, layout = w.kn(), w.scale, "panels"
+        values, scale, layout = w.kn(), w.scale, "pairs" if w.pairs else "panels"
     else:
         values, scale = (w.values, w.scale) if isinstance(w, Int8Weight) else (w, None)
     return matmul.matmul(h, values, scale, layout).astype(out or h.dtype)
@@ -345,11 +350,12 @@ def pack_for_cpu(params):
         if values.ndim != 2 or values.shape[0 if table else 1] % panel or (
                 isinstance(w, Int8Weight) and (w.axis, w.kernel) != (0 if table else 1, "xla")):
             return w
+        pairs = matmul.packs_pairs(values.dtype, values.shape[1 if table else 0])
         if isinstance(values, jax.core.Tracer):
-            return Packed(_pack(values, panel, table), scale, dtype, panel, table)
+            return Packed(_pack(values, panel, table, pairs), scale, dtype, panel, table, pairs)
         hit = _PACKED.get(id(values))
         if hit is None or hit[0]() is not values:
-            hit = (weakref.ref(values), Packed(_pack(values, panel, table), scale, dtype, panel, table))
+            hit = (weakref.ref(values), Packed(_pack(values, panel, table, pairs), scale, dtype, panel, table, pairs))
             _PACKED[id(values)] = hit
             weakref.finalize(values, _PACKED.pop, id(values), None)
         return hit[1]
@@ -402,8 +408,8 @@ def _transposed(*ws):
     return nk.reshape(nk.shape[::-1])
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _pack(values, panel: int, table: bool):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _pack(values, panel: int, table: bool, pairs: bool):
     from cpu_kernels.matmul import pack
 
-    return pack(values.T, panel).reshape(values.shape) if table else pack(values, panel)
+    return pack(values.T, panel, pairs).reshape(values.shape) if table else pack(values, panel, pairs)

@@ -1,6 +1,7 @@
 """The CPU decode matmul (`cpu_kernels`) against its jnp reference, for every weight dtype and layout; each
 row bit-identical to the same row alone; bad input refused; the model on it against XLA's dot. The kernel
-tests run once on this CPU's widest vector unit and once, in a subprocess, on AVX2."""
+tests run once on this CPU's widest vector unit and, in a subprocess, on each narrower one (AVX2, and AVX-512
+without BF16)."""
 
 import dataclasses
 import os
@@ -25,9 +26,9 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "int8": jnp.int8}
 SHAPES = [(1, 576, 192), (2, 77, 129), (5, 577, 1), (7, 300, 70), (9, 16, 33), (17, 31, 70), (32, 100, 64)]
 
 
-def inputs(m, k, n, dtype, layout, seed=0):
+def inputs(m, k, n, dtype, layout, seed=0, x_dtype=jnp.float32):
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), x_dtype)
     if dtype == jnp.int8:
         w = jnp.asarray(rng.integers(-127, 128, (k, n)), jnp.int8)
         scale = jnp.asarray(rng.uniform(0.5, 2.0, n) / (64 * np.sqrt(k)), jnp.float32)
@@ -35,26 +36,38 @@ def inputs(m, k, n, dtype, layout, seed=0):
         w, scale = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k), dtype), None
     if layout == "nk":
         w = w.T
-    elif layout == "panels":
-        w = cm.pack(w, cm.panel())
+    elif layout in ("panels", "pairs"):
+        w = cm.pack(w, cm.panel(), layout == "pairs")
     return x, w, scale
+
+
+def cases(shapes, layouts=cm.LAYOUTS):
+    """(m, k, n, dtype, layout, x's dtype) for every weight dtype and layout each takes, over `shapes`: pairs
+    (bfloat16 only) at an even K, with x in float32 and in bfloat16 (the pair instruction's case)."""
+    for dtype in DTYPES.values():
+        for layout in layouts:
+            if layout == "pairs" and dtype != jnp.bfloat16:
+                continue
+            for x_dtype in (jnp.float32, jnp.bfloat16) if dtype == jnp.bfloat16 else (jnp.float32,):
+                for m, k, n in shapes:
+                    if layout in ("panels", "pairs"):
+                        n = cm.panel() * (1 + n // 100)
+                    yield m, k + k % 2 if layout == "pairs" else k, n, dtype, layout, x_dtype
 
 
 def check_all(layouts=cm.LAYOUTS):
     """Every dtype, layout and shape: close to the reference, and each row bit-identical to itself alone."""
-    for dtype in DTYPES.values():
-        for layout in layouts:
-            for m, k, n in SHAPES:
-                if layout == "panels":
-                    n = cm.panel() * (1 + n // 100)
-                x, w, scale = inputs(m, k, n, dtype, layout)
-                product = jax.jit(lambda x, w, s: cm.matmul(x, w, s, layout))
-                got, want = product(x, w, scale), cm.reference(x, w, scale, layout)
-                assert got.shape == (m, n) and got.dtype == jnp.float32
-                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
-                                           atol=1e-5 * float(jnp.abs(want).max()))
-                alone = jnp.concatenate([product(x[i:i + 1], w, scale) for i in range(m)])
-                assert (np.asarray(alone) == np.asarray(got)).all(), (dtype, layout, (m, k, n))
+    for m, k, n, dtype, layout, x_dtype in cases(SHAPES, layouts):
+        x, w, scale = inputs(m, k, n, dtype, layout, x_dtype=x_dtype)
+        product = jax.jit(lambda x, w, s: cm.matmul(x, w, s, layout))
+        got, want = product(x, w, scale), cm.reference(x, w, scale, layout)
+        assert got.shape == (m, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.abs(want).max()))
+        alone = jnp.concatenate([product(x[i:i + 1], w, scale) for i in range(m)])
+        assert (np.asarray(alone) == np.asarray(got)).all(), (dtype, layout, x_dtype, (m, k, n))
+
+
 
 
 def test_kernel_against_reference_and_rows_alone():
@@ -69,24 +82,21 @@ def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
     from s3djax import kernel_tuning
 
     space = {}
-    for settings, _ in kernel_tuning.SEARCH:
+    for settings, *_ in kernel_tuning.SEARCH:
         space.update(settings)
     fixed = kernel_tuning.fallback()
-    cases = []
-    for dtype in DTYPES.values():
-        for layout in cm.LAYOUTS:
-            for m, k, n in [(5, 577, 70), (9, 1030, 129), (17, 300, 33), (33, 64, 200)]:
-                n = cm.panel() * 2 if layout == "panels" else n
-                x, w, scale = inputs(m, k, n, dtype, layout)
-                product = jax.jit(lambda x, w, s, layout=layout: cm.matmul(x, w, s, layout))
-                cases.append((product, x, w, scale))
+    products = []
+    for m, k, n, dtype, layout, x_dtype in cases([(5, 577, 70), (9, 1030, 129), (17, 300, 33), (33, 64, 200)]):
+        x, w, scale = inputs(m, k, n, dtype, layout, x_dtype=x_dtype)
+        product = jax.jit(lambda x, w, s, layout=layout: cm.matmul(x, w, s, layout))
+        products.append((product, x, w, scale))
     try:
         cm.set_blocking(fixed)
-        want = [np.asarray(product(x, w, s)) for product, x, w, s in cases]
+        want = [np.asarray(product(x, w, s)) for product, x, w, s in products]
         for values in itertools.product(*space.values()):
             cm.set_blocking(dict(zip(space, values)))
             assert cm.blocking() == dict(zip(space, values))
-            for (product, x, w, s), expected in zip(cases, want):
+            for (product, x, w, s), expected in zip(products, want):
                 assert (np.asarray(product(x, w, s)) == expected).all(), (values, x.shape, w.dtype)
     finally:
         cm.set_blocking(fixed)
@@ -95,20 +105,22 @@ def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
     assert cm.blocking() == fixed
 
 
-def on_avx2(module: str):
-    """Run `module`'s check_all in a subprocess on the AVX2 loops (what a CPU without AVX-512 runs)."""
-    if cm.isa() == "avx2":
-        pytest.skip("this CPU runs the AVX2 loops already: the test against the reference covers them")
+def on_avx2(module: str, isa: str = "avx2"):
+    """Run `module`'s check_all in a subprocess on a narrower ISA's loops: AVX2 (what a CPU without AVX-512 runs),
+    or AVX-512 without BF16 where this CPU has it."""
+    if cm.isa() == isa or (isa == "avx512" and cm.isa() != "avx512-bf16"):
+        pytest.skip(f"this CPU runs the {cm.isa()} loops: the test against the reference covers them")
     code = f"from {module} import check_all; from cpu_kernels import matmul; " \
-           "assert matmul.isa() == 'avx2', matmul.isa(); check_all()"
-    env = {**os.environ, "S3DJAX_CPU_ISA": "avx2"}
+           f"assert matmul.isa() == {isa!r}, matmul.isa(); check_all()"
+    env = {**os.environ, "S3DJAX_CPU_ISA": isa}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_kernel_on_avx2():
-    on_avx2("tests.test_cpu_matmul")
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_kernel_on_a_narrower_isa(isa):
+    on_avx2("tests.test_cpu_matmul", isa)
 
 
 def test_pack_round_trip_and_gradient():
@@ -116,25 +128,39 @@ def test_pack_round_trip_and_gradient():
     packed = cm.pack(w, cm.panel())
     assert packed.shape == w.shape and not (packed == w).all()
     assert (cm.unpack(packed, cm.panel()) == w).all()
+    pairs = cm.pack(w, cm.panel(), pairs=True)
+    assert not (pairs == packed).all() and (cm.unpack(pairs, cm.panel(), pairs=True) == w).all()
+    # Panel p, rows 2i and 2i + 1: column c's two values side by side.
+    p, i, c = 1, 3, 5
+    assert pairs.reshape(-1)[((p * 10 + i) * cm.panel() + c) * 2:][:2].tolist() == \
+        [w[2 * i, p * cm.panel() + c], w[2 * i + 1, p * cm.panel() + c]]
     grad = jax.grad(lambda x: cm.matmul(x, packed, None, "panels").sum())(x)
     np.testing.assert_allclose(grad, jax.grad(lambda x: (x @ w).sum())(x), rtol=1e-6)
 
 
-@pytest.mark.parametrize("w, layout", [(jnp.ones((8, 4), jnp.float16), "kn"),   # unsupported dtype
-                                       (jnp.ones((7, 4), jnp.float32), "kn"),     # K disagrees
-                                       (jnp.ones((8, 65), jnp.float32), "panels")])  # panels do not divide N
-def test_bad_input_is_a_clear_error(w, layout):
+@pytest.mark.parametrize("k, w, layout", [(8, jnp.ones((8, 4), jnp.float16), "kn"),   # unsupported dtype
+                                          (8, jnp.ones((7, 4), jnp.float32), "kn"),     # K disagrees
+                                          (8, jnp.ones((8, 65), jnp.float32), "panels"),  # panels do not divide N
+                                          (8, jnp.ones((8, 64), jnp.float32), "pairs"),  # pairs are bfloat16
+                                          (7, jnp.ones((7, 64), jnp.bfloat16), "pairs")])  # over an even K
+def test_bad_input_is_a_clear_error(k, w, layout):
     with pytest.raises(ValueError, match="the CPU matmul takes"):
-        cm.matmul(jnp.ones((2, 8)), w, None, layout)
+        cm.matmul(jnp.ones((2, k)), w, None, layout)
 
 
 def test_handler_refuses_bad_buffers_without_crashing():
     """Past the wrapper's checks, the handler itself returns an error for mismatched buffers."""
     call = jax.ffi.ffi_call(cm.TARGET, jax.ShapeDtypeStruct((2, 4), jnp.float32))
+    none = np.int32(0)
     with pytest.raises(Exception, match="x and w disagree on K"):
-        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((7, 4)), jnp.zeros((0,)), layout=np.int32(0)))
+        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((7, 4)), jnp.zeros((0,)), layout=none, x_bf16=none))
     with pytest.raises(Exception, match="weights must be"):
-        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((8, 4), jnp.int32), jnp.zeros((0,)), layout=np.int32(0)))
+        jax.block_until_ready(call(jnp.ones((2, 8)), jnp.ones((8, 4), jnp.int32), jnp.zeros((0,)), layout=none,
+                                   x_bf16=none))
+    pairs = jax.ffi.ffi_call(cm.TARGET, jax.ShapeDtypeStruct((2, cm.panel()), jnp.float32))
+    with pytest.raises(Exception, match="pairs must be bfloat16 with K even"):
+        jax.block_until_ready(pairs(jnp.ones((2, 7)), jnp.ones((7, cm.panel()), jnp.bfloat16), jnp.zeros((0,)),
+                                    layout=np.int32(3), x_bf16=none))
 
 
 def test_unavailable_kernel_falls_back_with_one_line():
@@ -204,19 +230,40 @@ def test_model_logits_match_xla(smollm2):
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_speculative_methods_match_ar_on_the_kernel_in_int8():
-    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8, tables packed too (in fp32 the
-    kernel is the CPU's default path, which every SmolLM2 test takes), over a bfloat16 KV cache. The context grows
-    across the attention kernel's first piece boundary (256 keys), where a verify pass holds rows of one piece and
-    of two."""
+@pytest.fixture
+def optimized():
+    """`optimized(True)` compiles with XLA's optimizations on for the rest of the test."""
+    before = jax.config.read("jax_disable_most_optimizations")
+
+    def turn(on: bool):
+        jax.config.update("jax_disable_most_optimizations", not on and before)
+    yield turn
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.mark.parametrize("quantization, dtype", [("int8-all", "float32"), (None, "bfloat16")])
+def test_speculative_methods_match_ar_on_the_kernel(quantization, dtype, optimized):
+    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8 and in bfloat16 (its weights in pairs of
+    rows, and multiplied a pair an instruction where the CPU can), tables packed too (in fp32 the kernel is the CPU's
+    default path, which every SmolLM2 test takes), over a bfloat16 KV cache. The context grows across the attention
+    kernel's first piece boundary (256 keys), where a verify pass holds rows of one piece and of two. MT-Bench's third
+    question is where Kangaroo's verify, resuming from stored bfloat16 exit states, left `ar` at the 8th token while
+    XLA could keep fused bfloat16 values in fp32 (`compile_options.exact_rounding`), with XLA's optimizations on, as
+    users run (the suite turns most of them off)."""
+    from s3djax import bench_data
     from s3djax.loading import load_model
 
-    model = load_model("smollm2-135m", quantization="int8-all", progress=False)
-    prompt = [(7 * i) % 1000 + 100 for i in range(244)]
+    optimized(dtype == "bfloat16")
+    model = load_model("smollm2-135m", quantization=quantization, dtype=dtype, progress=False)
+    prompts = [[(7 * i) % 1000 + 100 for i in range(244)], bench_data.prompts("mt-bench", model.tokenizer, 3)[2]["ids"]]
     tokens = {}
     for method in ("ar", "s3d", "kangaroo"):
-        built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16")
+        built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16", dtype=dtype)
         assert getattr(built.decoder, "ar", built.decoder).cache_dtype == "bfloat16"
-        tokens[method] = Runner(built.decoder, built.params).generate(prompt, 24).tokens
+        packed = [w for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight) if isinstance(w, quant.Packed)]
+        assert packed and all(w.pairs == (w.values.dtype == jnp.bfloat16) for w in packed)
+        assert any(w.pairs for w in packed) == (dtype == "bfloat16")
+        runner = Runner(built.decoder, built.params)
+        tokens[method] = [runner.generate(prompt, 24).tokens for prompt in prompts]
     assert tokens["s3d"] == tokens["ar"] == tokens["kangaroo"]
-    assert len(tokens["ar"]) == 24
+    assert [len(t) for t in tokens["ar"]] == [24, 24]

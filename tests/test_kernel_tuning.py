@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(cm.unavailable() is not None, reason=f"CPU kerne
 def cost_table(best: dict):
     """Milliseconds that grow with each setting's distance from `best` (prefetching helps only up to its best), and
     with the rows."""
-    def time_ms(blocking, m):
+    def time_ms(blocking, m, weights):
         miss = sum(abs(blocking[k] - v) / (v or 1) for k, v in best.items())
         return m * (1.0 + 0.1 * miss)
     return time_ms
@@ -25,15 +25,21 @@ def cost_table(best: dict):
 
 def test_the_search_picks_the_fastest_blocking_of_a_cost_table():
     start = kernel_tuning.fallback()
-    for best in ({"prefetch": 2048, "chunk_bytes": 32 << 10, "tile_rows": 32},
-                 {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16}):
+    for best in ({"prefetch": 2048, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 1},
+                 {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0}):
         assert kernel_tuning.choose(cost_table(best), start) == best
     # Equal times: the first listed candidate of every stage.
-    assert kernel_tuning.choose(lambda b, m: 1.0, start) == {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16}
-    # Each stage times only its own rows, with the earlier stages' choices held.
+    first = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0}
+    assert kernel_tuning.choose(lambda b, m, weights: 1.0, start) == first
+    # Each stage times only its own rows and weights, with the earlier stages' choices held; the pair instruction's
+    # stage only where the vector unit has one (else the start's setting stays).
     seen = []
-    kernel_tuning.choose(lambda b, m: seen.append((m, b["prefetch"])) or 1.0, start)
-    assert {m for m, _ in seen} == {1, 5, 9, 17} and {p for m, p in seen if m in (9, 17)} == {0}
+    kernel_tuning.choose(lambda b, m, weights: seen.append((m, b["prefetch"], weights, b["pair_dot"])) or 1.0, start)
+    assert {m for m, *_ in seen} == {1, 5, 9, 17} and {p for m, p, *_ in seen if m in (9, 17)} == {0}
+    assert {w for *_, w, dot in seen if dot} == {"bf16"} and {(m, w) for m, _, w, _ in seen if w == "bf16"} == \
+        {(5, "bf16"), (17, "bf16")}
+    best = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 1}
+    assert kernel_tuning.choose(cost_table(best), start, pair_dot=False)["pair_dot"] == start["pair_dot"] == 0
 
 
 @pytest.fixture
@@ -41,7 +47,7 @@ def tuner(tmp_path, monkeypatch):
     """A user's cache; measuring returns `chosen` and counts calls; the kernel's blocking is restored afterwards."""
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
     monkeypatch.setenv(defaults.ENV, "measure")
-    state = {"calls": 0, "chosen": {"prefetch": 4096, "chunk_bytes": 32 << 10, "tile_rows": 32}}
+    state = {"calls": 0, "chosen": {"prefetch": 4096, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 0}}
 
     def measure():
         state["calls"] += 1
@@ -89,7 +95,7 @@ def test_a_corrupt_or_foreign_cache_is_ignored_with_one_line(tuner, capsys):
         err = capsys.readouterr().err.splitlines()
         assert len([line for line in err if line.startswith("note: ignoring")]) == 1, err
     with open(file) as f:
-        assert all(set(v) >= {"prefetch", "chunk_bytes", "tile_rows", "device"} for v in json.load(f).values())
+        assert all(set(v) >= {*cm.BLOCKING, "device"} for v in json.load(f).values())
 
 
 def test_step_times_are_keyed_by_the_blocking():
@@ -110,9 +116,12 @@ def test_a_real_measurement_stays_in_the_search_space(monkeypatch):
     monkeypatch.setattr(kernel_tuning, "MAX_BYTES", 8 << 20)
     monkeypatch.setattr(kernel_tuning, "ROUNDS", 1)
     chosen = kernel_tuning.measure()
-    for settings, _ in kernel_tuning.SEARCH:
+    for settings, *_ in kernel_tuning.SEARCH:
         for name, candidates in settings.items():
             assert chosen[name] in candidates
+    assert chosen["pair_dot"] == 0 or cm.pair_dot()
     assert cm.blocking() == kernel_tuning.fallback()
     with pytest.raises(ValueError, match="cannot time"):
         cm.time_products(np.zeros(10, np.float32), 1, 576, 1536, 1)
+    with pytest.raises(ValueError, match="cannot time"):  # bfloat16 pairs need an even K
+        cm.time_products(np.zeros(1 << 20, np.float32), 1, 575, 64, 1, bf16=True)
