@@ -41,10 +41,10 @@ def inputs(m, k, n, dtype, layout, seed=0, x_dtype=jnp.float32):
     return x, w, scale
 
 
-def cases(shapes, layouts=cm.LAYOUTS):
+def cases(shapes, layouts=cm.LAYOUTS, dtypes=tuple(DTYPES)):
     """(m, k, n, dtype, layout, x's dtype) for every weight dtype and layout each takes, over `shapes`: pairs
     (bfloat16 only) at an even K, with x in float32 and in bfloat16 (the pair instruction's case)."""
-    for dtype in DTYPES.values():
+    for dtype in (DTYPES[name] for name in dtypes):
         for layout in layouts:
             if layout == "pairs" and dtype != jnp.bfloat16:
                 continue
@@ -55,9 +55,9 @@ def cases(shapes, layouts=cm.LAYOUTS):
                     yield m, k + k % 2 if layout == "pairs" else k, n, dtype, layout, x_dtype
 
 
-def check_all(layouts=cm.LAYOUTS):
+def check_all(layouts=cm.LAYOUTS, dtypes=tuple(DTYPES)):
     """Every dtype, layout and shape: close to the reference, and each row bit-identical to itself alone."""
-    for m, k, n, dtype, layout, x_dtype in cases(SHAPES, layouts):
+    for m, k, n, dtype, layout, x_dtype in cases(SHAPES, layouts, dtypes):
         x, w, scale = inputs(m, k, n, dtype, layout, x_dtype=x_dtype)
         product = jax.jit(lambda x, w, s: cm.matmul(x, w, s, layout))
         got, want = product(x, w, scale), cm.reference(x, w, scale, layout)
@@ -105,22 +105,27 @@ def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
     assert cm.blocking() == fixed
 
 
-def on_avx2(module: str, isa: str = "avx2"):
-    """Run `module`'s check_all in a subprocess on a narrower ISA's loops: AVX2 (what a CPU without AVX-512 runs),
-    or AVX-512 without BF16 where this CPU has it."""
+def on_avx2(module: str, isa: str = "avx2", call: str = "check_all()"):
+    """Run `module`'s `call` in a subprocess on a narrower ISA's loops: AVX2 (what a CPU without AVX-512 runs), or
+    AVX-512 without BF16 where this CPU has it."""
     if cm.isa() == isa or (isa == "avx512" and cm.isa() != "avx512-bf16"):
         pytest.skip(f"this CPU runs the {cm.isa()} loops: the test against the reference covers them")
     code = f"from {module} import check_all; from cpu_kernels import matmul; " \
-           f"assert matmul.isa() == {isa!r}, matmul.isa(); check_all()"
+           f"assert matmul.isa() == {isa!r}, matmul.isa(); {call}"
     env = {**os.environ, "S3DJAX_CPU_ISA": isa}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_kernel_on_a_narrower_isa(isa):
-    on_avx2("tests.test_cpu_matmul", isa)
+def test_kernel_on_avx2():
+    on_avx2("tests.test_cpu_matmul")
+
+
+def test_kernel_on_avx512_without_bf16():
+    """Where the CPU has AVX-512 BF16, the AVX-512 loops without it (the same template, other flags) on bfloat16, the
+    one dtype whose loops the two differ in."""
+    on_avx2("tests.test_cpu_matmul", "avx512", "check_all(dtypes=('bf16',))")
 
 
 def test_pack_round_trip_and_gradient():
@@ -230,40 +235,34 @@ def test_model_logits_match_xla(smollm2):
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-@pytest.fixture
-def optimized():
-    """`optimized(True)` compiles with XLA's optimizations on for the rest of the test."""
-    before = jax.config.read("jax_disable_most_optimizations")
-
-    def turn(on: bool):
-        jax.config.update("jax_disable_most_optimizations", not on and before)
-    yield turn
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
-@pytest.mark.parametrize("quantization, dtype", [("int8-all", "float32"), (None, "bfloat16")])
-def test_speculative_methods_match_ar_on_the_kernel(quantization, dtype, optimized):
-    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8 and in bfloat16 (its weights in pairs of
-    rows, and multiplied a pair an instruction where the CPU can), tables packed too (in fp32 the kernel is the CPU's
-    default path, which every SmolLM2 test takes), over a bfloat16 KV cache. The context grows across the attention
-    kernel's first piece boundary (256 keys), where a verify pass holds rows of one piece and of two. MT-Bench's third
-    question is where Kangaroo's verify, resuming from stored bfloat16 exit states, left `ar` at the 8th token while
-    XLA could keep fused bfloat16 values in fp32 (`compile_options.exact_rounding`), with XLA's optimizations on, as
-    users run (the suite turns most of them off)."""
-    from s3djax import bench_data
+def test_speculative_methods_match_ar_on_the_kernel_in_int8():
+    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8, tables packed too (in fp32 the kernel is
+    the CPU's default path, which every SmolLM2 test takes; bfloat16: tests/test_optimized_compile.py), over a bfloat16
+    KV cache. The context grows across the attention kernel's first piece boundary (256 keys), where a verify pass
+    holds rows of one piece and of two."""
     from s3djax.loading import load_model
 
-    optimized(dtype == "bfloat16")
-    model = load_model("smollm2-135m", quantization=quantization, dtype=dtype, progress=False)
-    prompts = [[(7 * i) % 1000 + 100 for i in range(244)], bench_data.prompts("mt-bench", model.tokenizer, 3)[2]["ids"]]
+    model = load_model("smollm2-135m", quantization="int8-all", progress=False)
+    prompt = [(7 * i) % 1000 + 100 for i in range(244)]
     tokens = {}
     for method in ("ar", "s3d", "kangaroo"):
-        built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16", dtype=dtype)
+        built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16")
         assert getattr(built.decoder, "ar", built.decoder).cache_dtype == "bfloat16"
-        packed = [w for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight) if isinstance(w, quant.Packed)]
-        assert packed and all(w.pairs == (w.values.dtype == jnp.bfloat16) for w in packed)
-        assert any(w.pairs for w in packed) == (dtype == "bfloat16")
-        runner = Runner(built.decoder, built.params)
-        tokens[method] = [runner.generate(prompt, 24).tokens for prompt in prompts]
+        tokens[method] = Runner(built.decoder, built.params).generate(prompt, 24).tokens
     assert tokens["s3d"] == tokens["ar"] == tokens["kangaroo"]
-    assert [len(t) for t in tokens["ar"]] == [24, 24]
+    assert len(tokens["ar"]) == 24
+
+
+def test_a_bfloat16_model_packs_its_weights_in_pairs():
+    """Every bfloat16 linear and table of a bfloat16 SmolLM2 goes in pairs of rows (K is even throughout); the draft's
+    int8 weights stay in plain panels."""
+    from s3djax.loading import load_model
+
+    built = methods.build("s3d", load_model("smollm2-135m", dtype="bfloat16", progress=False), max_cache_len=64,
+                          dtype="bfloat16")
+    packed = [w for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight) if isinstance(w, quant.Packed)]
+    assert any(w.pairs for w in packed)
+    assert all(w.pairs == (w.values.dtype == jnp.bfloat16) for w in packed)
+    table = next(w for w in packed if w.table and w.pairs)
+    ids = jnp.asarray([0, 5, 12345])
+    assert (np.asarray(quant.rows(table, ids)) == np.asarray(table.unpacked()[ids])).all()
