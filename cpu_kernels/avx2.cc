@@ -59,8 +59,8 @@ struct Avx2 {
   }
 };
 
-const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, Avx2::kDotPairs, &Loops<Avx2>::Tiles, &Loops<Avx2>::Run,
-                             &Attention<Avx2>::Run, &Attention<Avx2>::Combine};
+const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, Avx2::kDotPairs, &Loops<Avx2>::Tiles,
+                             &Loops<Avx2>::Run, &Attention<Avx2>::Run, &Attention<Avx2>::Combine};
 
 }  // namespace
 
