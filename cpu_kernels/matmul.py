@@ -41,20 +41,18 @@ LAYOUTS = ("kn", "nk", "panels", "pairs")
 
 
 def pack(w, panel: int, pairs: bool = False):
-    """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]; with `pairs`
-    (K even), each panel's rows two at a time, a column's two values side by side."""
+    """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]: [N / P, K / s, P, s],
+    each panel's rows s at a time, a column's s values side by side (s = 2 with `pairs`, K even; else 1)."""
     k, n = w.shape
-    if pairs:
-        return w.reshape(k // 2, 2, n // panel, panel).transpose(2, 0, 3, 1).reshape(k, n)
-    return w.reshape(k, n // panel, panel).transpose(1, 0, 2).reshape(k, n)
+    s = 2 if pairs else 1
+    return w.reshape(k // s, s, n // panel, panel).transpose(2, 0, 3, 1).reshape(k, n)
 
 
 def unpack(w, panel: int, pairs: bool = False):
     """`pack` undone."""
     k, n = w.shape
-    if pairs:
-        return w.reshape(n // panel, k // 2, panel, 2).transpose(1, 3, 0, 2).reshape(k, n)
-    return w.reshape(n // panel, k, panel).transpose(1, 0, 2).reshape(k, n)
+    s = 2 if pairs else 1
+    return w.reshape(n // panel, k // s, panel, s).transpose(1, 3, 0, 2).reshape(k, n)
 
 
 def packs_pairs(dtype, k: int) -> bool:

@@ -83,11 +83,9 @@ class Packed:
     def table_rows(self, ids):
         """Rows of a packed table, gathered from its panels without unpacking the rest."""
         n, k = self.values.shape
-        if self.pairs:
-            values = self.values.reshape(n // self.panel, k // 2, self.panel, 2)[ids // self.panel, :, ids % self.panel]
-            values = values.reshape(*values.shape[:-2], k)
-        else:
-            values = self.values.reshape(n // self.panel, k, self.panel)[ids // self.panel, :, ids % self.panel]
+        s = 2 if self.pairs else 1  # `pack`'s [N / P, K / s, P, s]
+        values = self.values.reshape(n // self.panel, k // s, self.panel, s)[ids // self.panel, :, ids % self.panel]
+        values = values.reshape(*values.shape[:-2], k)
         return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype)
 
 
