@@ -214,7 +214,7 @@ class Generator:
             built = methods.build(method, self.load(), max_cache_len=self.max_cache_len, dtype=self.dtype,
                                   sampling=sampling, **options)
             runner = Runner(built.decoder, built.params)
-            gate.tune(runner, lambda: encode_prompt(self.tokenizer, gate.PROMPT, False), method)
+            gate.tune(runner, lambda: encode_prompt(self.tokenizer, gate.PROMPT, False), method, options.get("pause"))
             self._sessions[key] = Session(method, built, runner)
         return self._sessions[key]
 

@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -48,8 +49,22 @@ def test_pausing_keeps_greedy_output_ars(name, breakeven):
     assert got.tokens == expected
     paused, steps = got.stats["paused_steps"], got.stats["verify_steps"]
     assert paused > 0 and steps > 0
-    if breakeven == float("inf"):  # only the probes draft
-        assert steps <= paused // PROBE_EVERY + 2
+    if breakeven == float("inf") and spec.decoder.drafter.hint is None:  # only probes draft, after 1, 2, 4 ... 8 paused
+        waits = np.minimum(2 ** np.arange(64), PROBE_EVERY).cumsum()
+        assert steps == np.searchsorted(waits, paused, side="right")
+    elif breakeven == float("inf"):  # lookup drafts only after a paused step whose proposal was the target's token
+        history = jnp.asarray([prompt + got.tokens])
+        hits = sum(bool(spec.decoder.drafter.hint(history, jnp.asarray([end]), history[0, end + 1])[0])
+                   for end in range(len(prompt) - 1, history.shape[1] - 1))
+        assert steps <= hits
+
+
+def test_lookups_hint_is_whether_its_proposal_was_the_next_token():
+    lookup = LookupDrafter(LLAMA, trees.TreeSpec.chain(3), ngram=2)
+    history = jnp.asarray([[5, 6, 7, 1, 5, 6, 0, 0], [5, 6, 7, 1, 2, 3, 0, 0]])
+    end = jnp.asarray([5, 5])  # row 0 ends in "5 6", which was followed by 7; row 1's "3" never occurred before
+    assert lookup.hint(history, end, jnp.asarray([7, 7])).tolist() == [True, False]
+    assert lookup.hint(history, end, jnp.asarray([8, 7])).tolist() == [False, False]
 
 
 def test_off_the_gate_is_not_compiled_in():
@@ -118,14 +133,17 @@ def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line(cache_home, measured,
 
 def test_the_switch_turns_the_gate_off_or_measures_again(cache_home, measured, monkeypatch):
     params = random_params(LLAMA, 0)
-    for off in ("off", ""):  # unset, it is off: docs/sampling.md
+    for off in ("off", ""):  # unset, configs/defaults.yaml's
         monkeypatch.setenv(gate.ENV, off)
         spec = runner(drafters()["s3d"], params)
         assert gate.tune(spec, lambda: [1, 2, 3], "s3d") is None and not spec.overrides and not cache_home.exists()
+    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "on") is not None  # --pause on
+    monkeypatch.setenv(gate.ENV, "off")  # the environment overrides the flag
+    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "on") is None
     monkeypatch.setenv(gate.ENV, "again")
     for _ in range(2):
         gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d")
-    assert len(measured) == 2
+    assert len(measured) == 3
 
 
 def test_the_key_names_the_machine_and_the_weights_shapes():

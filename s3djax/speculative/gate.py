@@ -3,13 +3,12 @@
 A step that drafts costs `draft_s`, a step that does not (the target's own) `pause_s`; drafting pays
 while it commits more than draft_s / pause_s tokens a step, that is while the drafts accepted per
 step reach `breakeven = draft_s / pause_s - 1`. The loop (`s3djax.speculative.loop`) compares this
-with its running acceptance. Both step times are measured once per machine, decoder and weights'
+with the acceptance it expects. Both step times are measured once per machine, decoder and weights'
 shapes, in the decoder's own compiled loop (forcing every step to draft, then none), and cached in
 the user's cache folder.
 
-The gate is off unless S3DJAX_TUNE=on (S3DJAX_TUNE=again measures anew): on the 2-core Zen 4 it
-lost 0.13-0.19x `ar` on HumanEval, where acceptance comes in long runs that a paused stretch misses,
-and gained at most 0.10x elsewhere (docs/sampling.md#pausing-when-drafts-stop-paying).
+Whether the gate is on: `--pause` (configs/defaults.yaml where unset), overridden by S3DJAX_TUNE=on, off or
+again (on, measured anew). docs/sampling.md#pausing-when-drafts-stop-paying has what it gained and lost.
 """
 
 from __future__ import annotations
@@ -26,11 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s3djax import device, user_cache
+from s3djax import defaults, device, user_cache
 
 ENV = "S3DJAX_TUNE"
 TABLE = "step-costs.json"
-DEFAULT = "off"  # measured, as the docstring says
 PROMPT = "Summarize the plot of a famous novel in a few sentences, then say why it is still read today."
 # Tokens decoded in each timed stretch: a warm-up, then drafting and pausing three times each, interleaved, the
 # fastest of each kept: another process taking the cores makes a stretch slower, never faster, and shorter
@@ -60,7 +58,8 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
     for i, (mode, tokens) in enumerate(STRETCHES):
         drafting = mode == "draft"
         counter = "iteration" if drafting else "paused"
-        # An EOS does not end a timed stretch: what is decoded is never shown, only how long it took.
+        # An EOS does not end a timed stretch: what is decoded is never shown, only how long it took. A negative
+        # idle count neither probes nor takes a drafter's hint (`loop`): a pausing stretch only pauses.
         state = {**state, "breakeven": jnp.float32(-math.inf if drafting else math.inf),
                  "idle": jnp.int32(0 if drafting else -(1 << 30)), "done": jnp.zeros_like(state["done"])}
         before, t = int(state[counter]), time.perf_counter()
@@ -76,12 +75,13 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
     return {"draft_s": best["draft"], "pause_s": best["pause"], "breakeven": best["draft"] / best["pause"] - 1}
 
 
-def tune(runner, prompt_ids, name: str) -> float | None:
+def tune(runner, prompt_ids, name: str, choice: str | None = None) -> float | None:
     """Set the runner's breakeven from the cache, else measure it (saying so in one line); None where the decoder
-    has no gate, the gate is off (S3DJAX_TUNE unset or off), or the cache is too short to measure. `prompt_ids()`
-    gives the prompt to measure on."""
+    has no gate, the gate is off, or the cache is too short to measure. On or off: S3DJAX_TUNE where set (`again`:
+    on, measured anew), else `choice` (--pause), else configs/defaults.yaml. `prompt_ids()` gives the prompt to
+    measure on."""
     drafter = getattr(runner.decoder, "drafter", None)
-    mode = (os.environ.get(ENV) or DEFAULT).lower()
+    mode = (os.environ.get(ENV) or choice or defaults.fallback("pause")).lower()
     if drafter is None or drafter.pause is None or mode not in ("on", "again"):
         return None
     runner.decoder = dataclasses.replace(runner.decoder, gate=True)  # the paused branch, compiled in

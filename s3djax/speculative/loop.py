@@ -20,10 +20,19 @@ import numpy as np
 from s3djax.decode import ARDecoder, last_real
 from s3djax.errors import UserError
 
-# The pause gate: the latest verify step's weight in the running acceptance (drafts accepted per step), and how many
-# steps in a row may pause before one drafts again to see whether drafts pay once more.
+# The pause gate: the latest verify step's weight in the running acceptance (drafts accepted per step), and the most
+# steps in a row that may pause before one drafts again to see whether drafts pay once more. A probe comes after 1
+# paused step, then 2, 4, ... up to PROBE_EVERY while probes keep failing, so the start of a run of acceptances (code's
+# come in runs) is missed by a step or two, not by PROBE_EVERY.
 RATE_WEIGHT = 0.25
 PROBE_EVERY = 8
+
+
+def expected_acceptance(rate, total, steps):
+    """The drafts a step is expected to accept: the running acceptance drawn halfway to the mean over every drafting
+    step so far (`total` holds one optimistic pseudo-step). Where acceptance is steady (s3d), a few misses in a row
+    are noise and do not pause it; where it is low for long (self-spec, lookup at temperature 1), both are low."""
+    return 0.5 * (rate + total / (steps + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +92,8 @@ class SpecDecoder:
                 # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
                 # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused.
                 "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
-                "paused": jnp.int32(0)}
+                "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False),
+                "total": jnp.float32(self.drafter.tree.depth)}
 
     def start(self, params, prompt, lengths, key):
         zeros = jnp.zeros_like(lengths, jnp.int32)
@@ -111,6 +121,11 @@ class SpecDecoder:
             n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
             node_depths = drafter.tree_arrays(dstate, valid.shape[0]).depths[:, 1:]
+            rate = (1 - RATE_WEIGHT) * s["rate"] + RATE_WEIGHT * accepted[0]
+            total = s["total"] + accepted[0]
+            # A probe that found drafts paying again resets the wait to one step; one that did not doubles it.
+            pays = expected_acceptance(rate, total, s["iteration"] + 1) >= s["breakeven"]
+            probe = jnp.where(pays, 1, jnp.where(s["idle"] > 0, jnp.minimum(2 * s["probe"], PROBE_EVERY), s["probe"]))
             drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
             return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
                     "cache": cache, "step": s["step"] + n_out[0],
@@ -119,21 +134,24 @@ class SpecDecoder:
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
                     "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
                     "iteration": s["iteration"] + 1, "key": key,
-                    "rate": (1 - RATE_WEIGHT) * s["rate"] + RATE_WEIGHT * accepted[0], "idle": jnp.int32(0)}
+                    "rate": rate, "total": total, "idle": jnp.int32(0), "probe": probe, "hint": jnp.bool_(False)}
 
         def paused(s):
             """A step without a draft: the target's own step, as `ar` takes it, and the drafter told of it."""
             dstate = drafter.pause(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
-            return {**s, **self.ar.advance(target, s), "drafter": dstate, "idle": s["idle"] + 1,
-                    "paused": s["paused"] + 1}
+            out = self.ar.advance(target, s)
+            hint = jnp.bool_(False) if drafter.hint is None else drafter.hint(dstate, s["length"], out["last"])[0]
+            return {**s, **out, "drafter": dstate, "idle": s["idle"] + 1, "paused": s["paused"] + 1, "hint": hint}
 
         def body(s):
             if drafter.pause is None or not self.gate:
                 return drafting(s)
-            # A step drafts while the running acceptance pays for it, and every PROBE_EVERY-th paused step, to
-            # measure it again. Both read only the past, so each step's token keeps the target's distribution. Each
-            # branch is a loop of at most one turn, not a `lax.cond`, which would copy the K/V cache.
-            draft_now = (s["rate"] >= s["breakeven"]) | (s["idle"] >= PROBE_EVERY)
+            # A step drafts while the acceptance it expects pays for it, and to measure it again: after `probe` paused
+            # steps, or where the drafter has a hint, after a paused step its draft would have begun right. All read
+            # only the past, so each step's token keeps the target's distribution. Each branch is a loop of at most
+            # one turn, not a `lax.cond`, which would copy the K/V cache.
+            again = s["idle"] >= s["probe"] if drafter.hint is None else s["hint"] & (s["idle"] > 0)
+            draft_now = (expected_acceptance(s["rate"], s["total"], s["iteration"]) >= s["breakeven"]) | again
             s = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), drafting(c[1])), (draft_now, s))[1]
             return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), paused(c[1])), (~draft_now, s))[1]
 

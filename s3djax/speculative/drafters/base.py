@@ -15,6 +15,11 @@ class Drafter:
     # drafts nothing (the target's own step on `last` at slot `length`); None where it cannot, and then every step
     # drafts (the loop's pause gate, `s3djax.speculative.loop`).
     pause = None
+    # `hint(state, length, token) -> [B] bool`, where a drafter knows for free, after a paused step that put `token` at
+    # slot `length` + 1, whether the draft it would have made there began with that token: its first draft would have
+    # been accepted (with the target's own probability of it, when sampling). The gate then drafts on such a hit
+    # instead of probing blindly. None: it probes.
+    hint = None
     # `prefill(params, draft, state, cache, tokens, start) -> (final-normed hidden [B, C, D], cache, state)`, where a
     # drafter's state after a chunk of prompt comes from the target's own work on it (Kangaroo's exit states): the
     # target's prefill of the chunk and `extend` in one pass. None: the target prefills, then `extend`.

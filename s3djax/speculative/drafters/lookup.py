@@ -71,6 +71,11 @@ class LookupDrafter(Drafter):
     def pause(self, params, draft, cache, length, last, history):
         return history.at[jnp.arange(last.shape[0]), length].set(last)
 
+    def hint(self, history, length, token):
+        # A point mass on the proposal is accepted exactly where the target's own token is the proposal.
+        proposed, known, _ = propose(history, length, self.ngram, 1)
+        return known[:, 0] & (proposed[:, 0] == token)
+
 
 def look_up(history, length, last, ngram: int, depth: int):
     """(history with `last` at slot `length`, then `propose`'s tokens, valid, n) from there."""
