@@ -133,13 +133,13 @@ def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line(cache_home, measured,
 
 def test_the_switch_turns_the_gate_off_or_measures_again(cache_home, measured, monkeypatch):
     params = random_params(LLAMA, 0)
-    for off in ("off", ""):  # unset, configs/defaults.yaml's
-        monkeypatch.setenv(gate.ENV, off)
-        spec = runner(drafters()["s3d"], params)
-        assert gate.tune(spec, lambda: [1, 2, 3], "s3d") is None and not spec.overrides and not cache_home.exists()
-    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "on") is not None  # --pause on
-    monkeypatch.setenv(gate.ENV, "off")  # the environment overrides the flag
-    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "on") is None
+    monkeypatch.setenv(gate.ENV, "off")
+    spec = runner(drafters()["s3d"], params)
+    assert gate.tune(spec, lambda: [1, 2, 3], "s3d", "on") is None and not spec.overrides and not cache_home.exists()
+    monkeypatch.setenv(gate.ENV, "")  # unset: --pause, else configs/defaults.yaml's (on for a CPU)
+    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "off") is None
+    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d") is not None
+    assert gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d", "on") is not None  # cached
     monkeypatch.setenv(gate.ENV, "again")
     for _ in range(2):
         gate.tune(runner(drafters()["s3d"], params), lambda: [1, 2, 3], "s3d")
