@@ -190,9 +190,6 @@ class JaxMethod(Method):
         session = gen.session(variant(name)[0], **(dict(options, sampling=GREEDY) if greedy else options))
         self.seed = args.seed
         self.warnings, self.about = session.warnings, session.about
-        breakeven = session.runner.overrides.get("breakeven")
-        if breakeven is not None:
-            self.about += f"; a step drafts while it accepts {float(breakeven):.2f}+ drafts (measured here)"
         self.runner, self.session, self.gen = session.runner, session, gen
         decoder = session.built.decoder
         self.depth = decoder.drafter.tree.depth if hasattr(decoder, "drafter") else 0

@@ -154,7 +154,8 @@ def main(argv=None):
     if out.stats:
         print(f"[{args.method}] tau {out.tau:.2f} tokens per verify step (bonus included), "
               f"acceptance by depth {' '.join(f'{a:.2f}' for a in out.acceptance_by_depth)}, "
-              f"{out.stats['verify_steps']} verify steps, {out.stats['mean_drafted']:.2f} drafted per step; "
+              f"{out.stats['verify_steps']} verify steps, {out.stats['mean_drafted']:.2f} drafted per step, "
+              f"{out.stats['paused_steps']} paused; "
               f"{session.about}", file=sys.stderr)
     if args.profile and out.stats:
         from s3djax.speculative.profile import step_times

@@ -86,8 +86,12 @@ class Session:
 
     @property
     def about(self) -> str:
-        """Which draft a speculative method uses, as the stats line names it."""
-        return self.built.draft
+        """Which draft a speculative method uses, and where the pause gate is on its measured breakeven, as the stats
+        line names them."""
+        breakeven = self.runner.overrides.get("breakeven")
+        return self.built.draft + ("" if breakeven is None else
+                                   f"; a step drafts while it expects {float(breakeven):.2f}+ drafts accepted "
+                                   "(the pause gate, measured here)")
 
 
 class Stream:

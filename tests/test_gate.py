@@ -19,6 +19,7 @@ from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
 from s3djax.speculative.drafters.s3d import S3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import PROBE_EVERY, SpecDecoder
+from s3djax.tokenizer import encode_chat
 from tests.tiny import LLAMA, random_params
 
 CACHE = 256  # room for the measurement's stretches
@@ -167,3 +168,8 @@ def test_smollm2_s3d_and_lookup_at_their_measured_gate_equal_ar(smollm2, cache_h
         runner = gen.session(method).runner
         stored = json.loads(cache_home.read_text())[gate.key(runner.decoder, runner.params)]["breakeven"]
         assert float(runner.overrides["breakeven"]) == pytest.approx(stored)
+    chat = gen.chat("lookup")  # a later turn resumes the cache, and the gate's state starts anew
+    for turn in ("Name a primary color.", "Now name another one."):
+        out = chat.send(turn, 16)
+        ids = encode_chat(gen.tokenizer, chat.messages[:-1])
+        assert out.token_ids == gen.session("ar").runner.generate(ids, 16).tokens
