@@ -90,7 +90,9 @@ class SpecDecoder:
         return {**state, "drafter": carry["drafter"], "accepted_log": log, "drafted_log": log,
                 "iteration": jnp.int32(0),
                 # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
-                # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused.
+                # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused, paused steps
+                # before the next probe, the drafter's hint from the last paused step, and the drafts accepted so far
+                # (with one optimistic pseudo-step, for `expected_acceptance`'s mean).
                 "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
                 "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False),
                 "total": jnp.float32(self.drafter.tree.depth)}
