@@ -60,6 +60,22 @@ def test_pausing_keeps_greedy_output_ars(name, breakeven):
         assert steps <= hits
 
 
+def test_the_mean_acceptance_keeps_a_drafter_that_accepts_well_from_pausing():
+    # The running acceptance alone (0) is below the breakeven; a mean of many accepted drafts draws the expected
+    # acceptance over it, and with no mean (total 0) the same start pauses.
+    params = random_params(LLAMA, 0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = Runner(ARDecoder(LLAMA, CACHE, eos_ids=()), params).generate(prompt, 30).tokens
+    paused = {}
+    for total in (1000.0, 0.0):
+        spec = runner(drafters()["s3d"], params)
+        spec.overrides.update(breakeven=np.float32(0.5), rate=np.float32(0.0), total=np.float32(total))
+        got = spec.generate(prompt, 30)
+        assert got.tokens == expected
+        paused[total] = got.stats["paused_steps"]
+    assert paused[1000.0] == 0 and paused[0.0] > 0
+
+
 def test_lookups_hint_is_whether_its_proposal_was_the_next_token():
     lookup = LookupDrafter(LLAMA, trees.TreeSpec.chain(3), ngram=2)
     history = jnp.asarray([[5, 6, 7, 1, 5, 6, 0, 0], [5, 6, 7, 1, 2, 3, 0, 0]])
