@@ -88,10 +88,12 @@ class Session:
     def about(self) -> str:
         """Which draft a speculative method uses, and where the pause gate is on its measured breakeven, as the stats
         line names them."""
-        breakeven = self.runner.overrides.get("breakeven")
-        return self.built.draft + ("" if breakeven is None else
-                                   f"; a step drafts while it expects {float(breakeven):.2f}+ drafts accepted "
-                                   "(the pause gate, measured here)")
+        breakeven, free = self.runner.overrides.get("breakeven"), self.runner.overrides.get("breakeven_free")
+        if breakeven is None:
+            return self.built.draft
+        where_free = "" if self.runner.decoder.drafter.free is None else f", {float(free):.2f}+ where lookup drafts"
+        return (self.built.draft + f"; a step drafts while it expects {float(breakeven):.2f}+ drafts accepted"
+                + where_free + " (the pause gate, measured here)")
 
 
 class Stream:

@@ -45,7 +45,7 @@ def test_pausing_keeps_greedy_output_ars(name, breakeven):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]
     expected = Runner(ARDecoder(LLAMA, CACHE, eos_ids=()), params).generate(prompt, 50).tokens
     spec = runner(drafters()[name], params)
-    spec.overrides["breakeven"] = np.float32(breakeven)
+    spec.overrides.update(breakeven=np.float32(breakeven), breakeven_free=np.float32(breakeven))
     got = spec.generate(prompt, 50)
     assert got.tokens == expected
     paused, steps = got.stats["paused_steps"], got.stats["verify_steps"]
@@ -76,6 +76,22 @@ def test_the_mean_acceptance_keeps_a_drafter_that_accepts_well_from_pausing():
     assert paused[1000.0] == 0 and paused[0.0] > 0
 
 
+def test_a_step_lookup_drafts_is_weighed_by_its_own_breakeven():
+    # With no step of the model's paying (breakeven inf), the steps lookup drafts still draft where theirs pays (-inf),
+    # and pause where it does not (inf), but for probes: the gate tells the two apart, and output stays ar's.
+    params = random_params(LLAMA, 0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6]
+    expected = Runner(ARDecoder(LLAMA, CACHE, eos_ids=()), params).generate(prompt, 40).tokens
+    looked_up = {}
+    for free in (-np.inf, np.inf):
+        spec = runner(drafters()["s3d+lookup"], params)
+        spec.overrides.update(breakeven=np.float32(np.inf), breakeven_free=np.float32(free))
+        got = spec.generate(prompt, 40)
+        assert got.tokens == expected
+        looked_up[free] = got.stats["lookup_steps"]
+    assert looked_up[-np.inf] > looked_up[np.inf] and looked_up[-np.inf] >= 3
+
+
 def test_lookups_hint_is_whether_its_proposal_was_the_next_token():
     lookup = LookupDrafter(LLAMA, trees.TreeSpec.chain(3), ngram=2)
     history = jnp.asarray([[5, 6, 7, 1, 5, 6, 0, 0], [5, 6, 7, 1, 2, 3, 0, 0]])
@@ -100,6 +116,10 @@ def test_drafters_that_cannot_pause_draft_every_step():
     assert kangaroo.pause is None and WithLookup(kangaroo).pause is None
     assert gate.tune(Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), kangaroo), (params, {})),
                      lambda: [1, 2, 3], "kangaroo") is None
+
+
+def entry_of(cache_home, spec) -> dict:
+    return json.loads(cache_home.read_text())[gate.key(spec.decoder, spec.params)]
 
 
 @pytest.fixture
@@ -134,6 +154,13 @@ def test_the_breakeven_is_measured_once_and_keyed_by_decoder(cache_home, measure
     assert float(again.overrides["breakeven"]) == pytest.approx(first)
     gate.tune(runner(drafters()["lookup"], params), prompt, "lookup")  # another decoder: another key
     assert len(measured) == 2 and len(json.loads(cache_home.read_text())) == 2
+    # A drafter giving way to lookup: its free steps timed apart, on a prompt whose repeats lookup can draft from.
+    mixed = runner(drafters()["s3d+lookup"], params)
+    gate.tune(mixed, lambda: [3, 1, 4, 1, 5, 9, 2, 6] * 3, "s3d")
+    entry = json.loads(cache_home.read_text())[gate.key(mixed.decoder, mixed.params)]
+    assert entry["free_s"] >= 0 and entry["breakeven_free"] == pytest.approx(entry["free_s"] / entry["pause_s"] - 1)
+    assert float(mixed.overrides["breakeven_free"]) == pytest.approx(entry["breakeven_free"])
+    assert "breakeven_free" not in entry_of(cache_home, again)  # s3d alone has no free steps
 
 
 def test_a_corrupt_or_foreign_cache_is_ignored_in_one_line(cache_home, measured, capsys):

@@ -108,10 +108,11 @@ def test_a_step_takes_lookups_chain_only_where_enough_tokens_match_and_it_knows_
     drafter = WithLookup(Fixed(), switch=switch, ngram=3)
     prompt = jnp.asarray([history[:end]], jnp.int32)
     state = (drafter.inner.init_state(None, None, None), jnp.zeros((1, len(history)), jnp.int32).at[
-        0, :end].set(prompt[0]), jnp.int32(0))
-    nodes, valid, _, _, state = drafter.draft(None, None, None, jnp.asarray([end], jnp.int32),
-                                              jnp.asarray([history[end]], jnp.int32), state, None, Sampling())
-    assert nodes[0].tolist() == expected and valid[0].all()
+        0, :end].set(prompt[0]), jnp.int32(0), jnp.int32(switch))
+    at, last = jnp.asarray([end], jnp.int32), jnp.asarray([history[end]], jnp.int32)
+    free = drafter.free(state, at, last).tolist()  # what the pause gate reads before the step
+    nodes, valid, _, _, state = drafter.draft(None, None, None, at, last, state, None, Sampling())
+    assert nodes[0].tolist() == expected and valid[0].all() and free == [expected != [7, 7]]
     # The run's count of steps lookup drafted (`stats`) takes this one where lookup's chain was used.
     assert drafter.stats(state) == {"lookup_steps": int(expected != [7, 7])}
 
@@ -121,9 +122,10 @@ def test_in_a_batch_each_row_takes_its_own_source():
     drafter = WithLookup(Fixed(), switch=2, ngram=3)
     history = jnp.asarray([[4, 5, 6, 4, 5, 0, 0], [4, 5, 6, 1, 5, 0, 0]], jnp.int32)
     end = jnp.asarray([4, 4], jnp.int32)
-    state = ((), history.at[:, 4:].set(0), jnp.int32(0))
+    state = ((), history.at[:, 4:].set(0), jnp.int32(0), jnp.int32(2))
     nodes, valid, _, _, _ = drafter.draft(None, None, None, end, history[:, 4], state, None, Sampling())
     assert nodes.tolist() == [[6, 4], [7, 7]] and valid.all()
+    assert drafter.free(state, end, history[:, 4]).tolist() == [True, False]
 
 
 def drafter_and_draft(method, config, params):
@@ -155,9 +157,15 @@ def test_a_self_spec_step_that_lookup_drafted_leaves_the_threshold():
     inner = {**drafter.threshold.init(), "drafted": jnp.asarray([3], jnp.int32)}
     step = WithLookup(drafter, switch=2)
     end, cache = jnp.asarray([4], jnp.int32), kv.init_cache(LLAMA, 1, 16)
-    nodes, valid, _, _, (inner, _, looked_up) = step.draft(params, {}, cache, end, history[:, 4],
-                                                           (inner, history.at[:, 4:].set(0), jnp.int32(0)), None, Sampling())
+    state = (inner, history.at[:, 4:].set(0), jnp.int32(0), jnp.int32(2))
+    assert step.free(state, end, history[:, 4]).tolist() == [True]  # what the gate weighs the step by
+    nodes, valid, _, _, (inner, _, looked_up, _) = step.draft(params, {}, cache, end, history[:, 4], state, None,
+                                                              Sampling())
     assert nodes[0].tolist() == [6, 4, 5] and inner["drafted"].tolist() == [0] and int(looked_up) == 1
+    # Forced to the model (the gate's measurement), the same step is Self-Spec's own, and no longer free.
+    forced = step.force(state, False)
+    assert step.free(forced, end, history[:, 4]).tolist() == [False]
+    assert int(step.draft(params, {}, cache, end, history[:, 4], forced, None, Sampling())[4][2]) == 0
     after = drafter.update(inner, end, jnp.asarray([3]), None, None)
     assert float(after["threshold"]) == float(inner["threshold"]) and int(after["stages"]) == 0
 

@@ -225,13 +225,14 @@ def test_drafting_inside_the_verify_pass_samples_the_target_distribution(params)
 def test_pausing_by_the_running_acceptance_samples_the_target_distribution(params, lookup):
     # The first step drafts; whether the next ones do depends on what earlier steps accepted (an expected acceptance
     # of 0.6, half the rate with no mean yet, against a breakeven of 0.5: one rejected step pauses the next), and
-    # lookup's on whether its proposal was the token a paused step drew (its hint).
+    # lookup's on whether its proposal was the token a paused step drew (its hint). Giving way, the steps lookup drafts
+    # weigh the same expectation against a breakeven of their own.
     decoder, plan = spec_decoder(NUCLEUS, "chain", gamma=2)
     drafter = {"none": decoder.drafter, "giving-way": WithLookup(decoder.drafter, switch=1, ngram=2),
                "alone": LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2)}[lookup]
     decoder = SpecDecoder.create(decoder.ar, drafter, gate=True)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan), rate=np.float32(1.2),
-                           total=np.float32(0.0), breakeven=np.float32(0.5))
+                           total=np.float32(0.0), breakeven=np.float32(0.5), breakeven_free=np.float32(0.55))
     assert chi_square_p(counts, exact_joint(NUCLEUS)) > SIGNIFICANCE
 
 

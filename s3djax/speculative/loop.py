@@ -90,10 +90,12 @@ class SpecDecoder:
         return {**state, "drafter": carry["drafter"], "accepted_log": log, "drafted_log": log,
                 "iteration": jnp.int32(0),
                 # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
-                # must reach to pay (0: every step drafts, until `gate.tune` measures it), steps paused, paused steps
-                # before the next probe, the drafter's hint from the last paused step, and the drafts accepted so far
-                # (with one optimistic pseudo-step, for `expected_acceptance`'s mean).
+                # must reach to pay (0: every step drafts, until `gate.tune` measures it) and that of a step whose
+                # draft runs no model (`Drafter.free`), steps paused, paused steps before the next probe, the drafter's
+                # hint from the last paused step, and the drafts accepted so far (with one optimistic pseudo-step, for
+                # `expected_acceptance`'s mean).
                 "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
+                "breakeven_free": jnp.float32(0.0),
                 "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False),
                 "total": jnp.float32(self.drafter.tree.depth)}
 
@@ -153,7 +155,9 @@ class SpecDecoder:
             # only the past, so each step's token keeps the target's distribution. Each branch is a loop of at most
             # one turn, not a `lax.cond`, which would copy the K/V cache.
             again = s["idle"] >= s["probe"] if drafter.hint is None else s["hint"] & (s["idle"] > 0)
-            draft_now = (expected_acceptance(s["rate"], s["total"], s["iteration"]) >= s["breakeven"]) | again
+            breakeven = s["breakeven"] if drafter.free is None else \
+                jnp.where(drafter.free(s["drafter"], s["length"], s["last"])[0], s["breakeven_free"], s["breakeven"])
+            draft_now = (expected_acceptance(s["rate"], s["total"], s["iteration"]) >= breakeven) | again
             s = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), drafting(c[1])), (draft_now, s))[1]
             return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), paused(c[1])), (~draft_now, s))[1]
 

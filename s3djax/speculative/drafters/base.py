@@ -20,6 +20,13 @@ class Drafter:
     # been accepted (with the target's own probability of it, when sampling). The gate then drafts on such a hit
     # instead of probing blindly. None: it probes.
     hint = None
+    # `free(state, length, last) -> [B] bool`, where some steps' drafts run no model (`WithLookup`, where prompt lookup
+    # drafts the chain): such a step costs its verify alone, so the pause gate weighs it against a breakeven of its
+    # own (`s3djax.speculative.gate`). None: every step that drafts costs the same.
+    free = None
+    # `force(state, free: bool) -> state`, with `free`: the gate's measurement makes every step draft by the model
+    # (False), or freely wherever it can (True).
+    force = None
     # `prefill(params, draft, state, cache, tokens, start) -> (final-normed hidden [B, C, D], cache, state)`, where a
     # drafter's state after a chunk of prompt comes from the target's own work on it (Kangaroo's exit states): the
     # target's prefill of the chunk and `extend` in one pass. None: the target prefills, then `extend`.

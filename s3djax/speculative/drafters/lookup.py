@@ -115,6 +115,7 @@ class WithLookup(Drafter):
     inner: Drafter
     switch: int = 2  # the shortest matching n-gram that switches a step to lookup's draft
     ngram: int = 3
+    NEVER = 1 << 30  # a switch no match reaches (`force`)
 
     def __getattr__(self, name):
         # config, tree, gamma, plan ...: the inner drafter's (`inner` itself is missing only mid-construction)
@@ -127,15 +128,25 @@ class WithLookup(Drafter):
         return self.inner.scratch_nodes
 
     def init_state(self, params, draft, cache):
-        # The third part counts the steps lookup drafted (the model's draft skipped), for `stats`.
-        return self.inner.init_state(params, draft, cache), init_history(cache, self.tree.depth), jnp.int32(0)
+        # The third part counts the steps lookup drafted (the model's draft skipped), for `stats`; the fourth is the
+        # switch, in the state so that the gate's measurement can force either source without another compile.
+        return (self.inner.init_state(params, draft, cache), init_history(cache, self.tree.depth), jnp.int32(0),
+                jnp.int32(self.switch))
 
     def extend(self, params, draft, state, tokens, start, cache):
-        inner, history, looked_up = state
-        return self.inner.extend(params, draft, inner, tokens, start, cache), kv.put_rows(history, tokens, start), looked_up
+        inner, history, *rest = state
+        return self.inner.extend(params, draft, inner, tokens, start, cache), kv.put_rows(history, tokens, start), *rest
 
     def resume(self, state):
-        return self.inner.resume(state[0]), state[1], jnp.int32(0)
+        return self.inner.resume(state[0]), state[1], jnp.int32(0), jnp.int32(self.switch)
+
+    def free(self, state, length, last):
+        """Whether lookup drafts the step after `last` at slot `length` (the model's draft then skipped)."""
+        _, looked, known, n = look_up(state[1], length, last, self.ngram, self.tree.depth)
+        return (n >= state[3]) & known.all(1)
+
+    def force(self, state, free: bool):
+        return (*state[:3], jnp.int32(1 if free else self.NEVER))
 
     @property
     def prefill(self):
@@ -143,18 +154,18 @@ class WithLookup(Drafter):
             return None
 
         def prefill(params, draft, state, cache, tokens, start):
-            inner, history, looked_up = state
+            inner, history, *rest = state
             hidden, cache, inner = self.inner.prefill(params, draft, inner, cache, tokens, start)
-            return hidden, cache, (inner, kv.put_rows(history, tokens, start), looked_up)
+            return hidden, cache, (inner, kv.put_rows(history, tokens, start), *rest)
         return prefill
 
     def tree_arrays(self, state, batch: int):
         return self.inner.tree_arrays(state[0], batch)
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
-        inner, history, looked_up = state
+        inner, history, looked_up, switch = state
         history, looked, known, n = look_up(history, length, last, self.ngram, self.tree.depth)
-        use = (n >= self.switch) & known.all(1)
+        use = (n >= switch) & known.all(1)
         masses = point_masses(looked, self.config.vocab_size, sampling)
 
         def drafted(c):
@@ -178,7 +189,7 @@ class WithLookup(Drafter):
         nodes, valid = jnp.where(use[:, None], looked, nodes), jnp.where(use[:, None], known, valid)
         if not sampling.greedy:
             child_probs = jnp.where(use[:, None, None], masses, child_probs)
-        return nodes, valid, child_probs, cache, (inner, history, looked_up + jnp.all(use))
+        return nodes, valid, child_probs, cache, (inner, history, looked_up + jnp.all(use), switch)
 
     def verify(self, params, draft, cache, length, last, nodes, valid, child_probs, state, key, sampling: Sampling):
         *out, inner = self.inner.verify(params, draft, cache, length, last, nodes, valid, child_probs, state[0], key,
@@ -186,7 +197,8 @@ class WithLookup(Drafter):
         return (*out, (inner, *state[1:]))
 
     def update(self, state, length, accepted, path, emitted):
-        return self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted), state[2]
+        return (self.inner.update(state[0], length, accepted, path, emitted), record(state[1], length, emitted),
+                *state[2:])
 
     @property
     def pause(self):
@@ -195,7 +207,7 @@ class WithLookup(Drafter):
 
         def pause(params, draft, cache, length, last, state):
             return (self.inner.pause(params, draft, cache, length, last, state[0]),
-                    LookupDrafter.pause(self, params, draft, cache, length, last, state[1]), state[2])
+                    LookupDrafter.pause(self, params, draft, cache, length, last, state[1]), *state[2:])
         return pause
 
     def stats(self, state) -> dict:
