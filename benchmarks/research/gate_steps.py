@@ -26,7 +26,7 @@ def main():
     from s3djax.tokenizer import encode_prompt
 
     gen = Generator("smollm2-135m", progress=False)
-    lines = [f"# The pause gate's step times, SmolLM2-135M-Instruct fp32", "", f"- device: {device.describe()}",
+    lines = ["# The pause gate's step times, SmolLM2-135M-Instruct fp32", "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
              f"- `gate.measure` in each method's compiled loop (its default options, lookup giving way), fastest of "
              f"{args.repeats} measurements; ms a step; breakeven: drafts a step must accept to pay", "",

@@ -74,7 +74,8 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
                  "idle": jnp.int32(0 if drafting else -(1 << 30)), "done": jnp.zeros_like(state["done"])}
         if drafter.force is not None:
             state = {**state, "drafter": drafter.force(state["drafter"], mode == "free")}
-        before, freed, t = int(state[counter]), free_steps(drafter, state), time.perf_counter()
+        before, freed = int(state[counter]), free_steps(drafter, state) if mode == "free" else 0
+        t = time.perf_counter()
         state = decode(params, state, jnp.int32(int(state["step"]) + tokens))
         steps = int(state[counter]) - before  # a sync: the stretch has run
         seconds = time.perf_counter() - t

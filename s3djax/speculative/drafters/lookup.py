@@ -140,10 +140,15 @@ class WithLookup(Drafter):
     def resume(self, state):
         return self.inner.resume(state[0]), state[1], jnp.int32(0), jnp.int32(self.switch)
 
+    def lookup_step(self, state, length, last):
+        """(history with `last` recorded, lookup's chain, its validity, and whether lookup drafts the step after `last`
+        at slot `length` [B]): where the last `switch` or more tokens occurred before and lookup knows the whole chain."""
+        history, looked, known, n = look_up(state[1], length, last, self.ngram, self.tree.depth)
+        return history, looked, known, (n >= state[3]) & known.all(1)
+
     def free(self, state, length, last):
         """Whether lookup drafts the step after `last` at slot `length` (the model's draft then skipped)."""
-        _, looked, known, n = look_up(state[1], length, last, self.ngram, self.tree.depth)
-        return (n >= state[3]) & known.all(1)
+        return self.lookup_step(state, length, last)[3]
 
     def force(self, state, free: bool):
         return (*state[:3], jnp.int32(1 if free else self.NEVER))
@@ -163,9 +168,8 @@ class WithLookup(Drafter):
         return self.inner.tree_arrays(state[0], batch)
 
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
-        inner, history, looked_up, switch = state
-        history, looked, known, n = look_up(history, length, last, self.ngram, self.tree.depth)
-        use = (n >= switch) & known.all(1)
+        inner, _, looked_up, switch = state
+        history, looked, known, use = self.lookup_step(state, length, last)
         masses = point_masses(looked, self.config.vocab_size, sampling)
 
         def drafted(c):
