@@ -230,6 +230,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 
 // Below this many reads (visible keys x query rows x heads x head size) attention stays on the calling thread.
 constexpr int64_t kParallelAttention = 1 << 18;
+constexpr int64_t kTileRows = 8;
 
 ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::PRED> tree, ffi::Result<ffi::AnyBuffer> out,
@@ -272,11 +273,17 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const int64_t pieces = (longest + s3d::kPieceKeys - 1) / s3d::kPieceKeys;
   thread_local std::vector<float> partials;
   partials.resize(static_cast<size_t>(b * t * h * pieces * (d + 2)));
+  const bool worth_it = keys * t * h * d >= kParallelAttention;
+  // Rows share a tile, and so each chunk of keys read into L1, up to kTileRows of them; the rows are split
+  // further while there are fewer tiles than two a thread, so that the threads end together.
+  int64_t blocks = (t + kTileRows - 1) / kTileRows;
+  while (worth_it && blocks < t && b * kv * pieces * blocks < 2 * Threads()) ++blocks;
+  const int64_t rows = (t + blocks - 1) / blocks;
+  blocks = (t + rows - 1) / rows;
   s3d::AttentionProblem p{q.untyped_data(), k.untyped_data(), v.untyped_data(), lengths.typed_data(),
                           tree.typed_data(), out->untyped_data(), b, t, h, kv, d, s, td[2], scale, type, kv_type,
-                          pieces, partials.data()};
-  const bool worth_it = keys * t * h * d >= kParallelAttention;
-  Parallel(&pool, b * kv * t * pieces, worth_it,
+                          pieces, rows, partials.data()};
+  Parallel(&pool, b * kv * blocks * pieces, worth_it,
            [kernels, p](int64_t first, int64_t end) { kernels->attend(p, first, end); });
   kernels->combine(p, 0, b * t * h);  // a few floats a row: not worth a thread
   return ffi::Error::Success();

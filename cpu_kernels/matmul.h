@@ -57,11 +57,11 @@ struct AttentionProblem {
   WeightType type;     // q's and out's
   WeightType kv_type;  // k's and v's
   int64_t pieces;   // each row's visible keys in pieces of kPieceKeys: enough for the longest row
+  int64_t rows;     // query rows a tile takes together (the last block of rows may have fewer)
   float* partials;  // [B, T, H, pieces, D + 2]: each piece's max score, sum of exponentials and weighted values
 };
 
-// Keys a piece: a long context's row is split across threads, and a KV head's piece of keys and values (64 KiB
-// each for a head of 64 floats) is read from the core's cache by the second and later query heads of its group.
+// Keys a piece: a long context's row is split across threads, a piece at a time.
 constexpr int64_t kPieceKeys = 256;
 
 // A product's tiles are its column tiles (which depend on N and the ISA only) times groups of rows, and
