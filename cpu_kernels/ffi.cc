@@ -299,12 +299,6 @@ float* AttentionScratch(int64_t n) {
   return buf.data();
 }
 
-float** PointerScratch(int64_t n) {
-  thread_local std::vector<float*> pointers;
-  if (static_cast<int64_t>(pointers.size()) < n) pointers.resize(n);
-  return pointers.data();
-}
-
 int64_t* SlotScratch(int64_t n) {
   thread_local std::vector<int64_t> slots;
   if (static_cast<int64_t>(slots.size()) < n) slots.resize(n);

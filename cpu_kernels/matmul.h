@@ -91,6 +91,5 @@ const Kernels* Avx512Bf16Kernels();
 // and the linker would keep one of, perhaps the AVX-512 one on an AVX2 CPU.
 float* AttentionScratch(int64_t n);
 int64_t* SlotScratch(int64_t n);
-float** PointerScratch(int64_t n);
 
 }  // namespace s3d

@@ -1,6 +1,7 @@
 """What T query rows of attention cost against one on the CPU: SmolLM2's 30 layers of decode-time attention (9
 query / 3 KV heads of 64, a causal tree over the T new rows) at a committed context, through the native kernel
-(`cpu_kernels.attention`) and XLA's blocked prefix attention, each against its own T = 1, one process. A verify
+(`cpu_kernels.attention`) and XLA's blocked prefix attention, both as the model calls them (`layers.attend`), each
+against its own T = 1, one process. A verify
 step pays this beside its matmuls; on a memory-bound device the rows of one step share the reads of the cache.
 
     python -m benchmarks.research.cpu_attention [--repeats 30] [--contexts 256,1024,4096]
@@ -33,7 +34,6 @@ def main():
     import jax.numpy as jnp
 
     from cpu_kernels import matmul
-    from cpu_kernels.attention import attention
     from s3djax import device, layers
     from s3djax.cache import PrefixTreeMask
 
@@ -41,19 +41,19 @@ def main():
     keys = jax.random.split(jax.random.PRNGKey(0), 2 * LAYERS + 1)
     k = [jax.random.normal(keys[i], (1, slots, KV_HEADS, HEAD), jnp.float32) for i in range(LAYERS)]
     v = [jax.random.normal(keys[LAYERS + i], (1, slots, KV_HEADS, HEAD), jnp.float32) for i in range(LAYERS)]
-    paths = {"XLA's prefix attention": layers._xla_prefix_attend}
+    paths = {"XLA's prefix attention": False}  # name: whether `layers.attend` takes the CPU kernel
     if matmul.usable():
-        paths = {"kernel": lambda q, k, v, m: attention(q, k, v, m.lengths, m.tree, HEAD ** -0.5), **paths}
+        paths = {"kernel": True, **paths}
 
-    def chain(path, q, lengths, tree, k, v):  # each layer's output feeds the next layer's query
-        x = q
+    def chain(cpu_kernel, q, lengths, tree, k, v):  # each layer's output feeds the next layer's query
+        x, mask = q, PrefixTreeMask(lengths, tree)
         for kl, vl in zip(k, v):
-            x = path(x, kl, vl, PrefixTreeMask(lengths, tree)).reshape(q.shape) * 1.0001
+            x = layers.attend(x, kl, vl, mask, cpu_kernel).reshape(q.shape) * 1.0001
         return x
 
     ms = {}
-    for name, path in paths.items():
-        timed = jax.jit(lambda q, lengths, tree, k, v, path=path: chain(path, q, lengths, tree, k, v))
+    for name, cpu_kernel in paths.items():
+        timed = jax.jit(lambda q, lengths, tree, k, v, c=cpu_kernel: chain(c, q, lengths, tree, k, v))
         for context in contexts:
             for t in ROWS:
                 q = jax.random.normal(keys[-1], (1, t, HEADS, HEAD), jnp.float32)
