@@ -11,7 +11,7 @@ import pytest
 
 from s3djax.decode import ARDecoder, Runner
 from s3djax.skip_plan import SkipPlan
-from s3djax.speculative import gate
+from s3djax.speculative import gate, loop
 from s3djax.speculative import tree as trees
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter
@@ -74,6 +74,32 @@ def test_the_mean_acceptance_keeps_a_drafter_that_accepts_well_from_pausing():
         assert got.tokens == expected
         paused[total] = got.stats["paused_steps"]
     assert paused[1000.0] == 0 and paused[0.0] > 0
+
+
+def fitted_slope(accepted):
+    """The gate's slope after drafting steps that accepted `accepted`, the running acceptance kept as the loop keeps it."""
+    rate, fit = jnp.float32(3.0), jnp.zeros(4, jnp.float32)
+    for a in accepted:
+        fit = loop.observe(fit, rate, jnp.int32(a))
+        rate = (1 - loop.RATE_WEIGHT) * rate + loop.RATE_WEIGHT * a
+    return float(loop.slope(fit, jnp.int32(len(accepted))))
+
+
+def test_the_expected_acceptance_follows_the_running_one_as_far_as_acceptance_persists():
+    rng = np.random.default_rng(0)
+    steady = rng.integers(0, 4, 2000)  # each step's acceptance drawn afresh: misses in a row are noise
+    runs = np.repeat(rng.choice([0, 3], 100), 10)  # runs of ten steps that all accept, or none
+    assert fitted_slope(steady) < 0.15 and fitted_slope(runs) > 0.6
+    # Before MIN_FIT drafting steps, halfway; then a low running acceptance under a steady mean barely moves it.
+    assert fitted_slope(runs[:loop.MIN_FIT - 1]) == loop.PRIOR_SLOPE
+    fit = jnp.zeros(4, jnp.float32)
+    rate = jnp.float32(3.0)
+    for a in steady:
+        fit = loop.observe(fit, rate, jnp.int32(a))
+        rate = (1 - loop.RATE_WEIGHT) * rate + loop.RATE_WEIGHT * a
+    mean = float(steady.sum() + 3) / (len(steady) + 1)
+    expected = float(loop.expected_acceptance(jnp.float32(0.0), jnp.float32(steady.sum() + 3), len(steady), fit))
+    assert mean * 0.85 < expected <= mean
 
 
 def test_a_step_lookup_drafts_is_weighed_by_its_own_breakeven():

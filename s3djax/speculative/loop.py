@@ -26,13 +26,36 @@ from s3djax.errors import UserError
 # come in runs) is missed by a step or two, not by PROBE_EVERY.
 RATE_WEIGHT = 0.25
 PROBE_EVERY = 8
+# How far the expected acceptance follows the running one from the mean: its slope, fitted over the drafting steps so
+# far, and before MIN_FIT of them, PRIOR_SLOPE (halfway).
+PRIOR_SLOPE, MIN_FIT = 0.5, 16
 
 
-def expected_acceptance(rate, total, steps):
-    """The drafts a step is expected to accept: the running acceptance drawn halfway to the mean over every drafting
-    step so far (`total` holds one optimistic pseudo-step). Where acceptance is steady (s3d), a few misses in a row
-    are noise and do not pause it; where it is low for long (self-spec, lookup at temperature 1), both are low."""
-    return 0.5 * (rate + total / (steps + 1))
+def observe(fit, rate, accepted):
+    """`fit` ([4]: the sums of r, a, r^2 and r a over the drafting steps) after a step that accepted `accepted` drafts
+    where the running acceptance before it was `rate`."""
+    r, a = rate.astype(jnp.float32), accepted.astype(jnp.float32)
+    return fit + jnp.stack([r, a, r * r, r * a])
+
+
+def slope(fit, steps):
+    """The least-squares slope of a step's accepted drafts on the running acceptance before it, over `steps` drafting
+    steps, within [0, 1]: near 0 where acceptance does not persist from step to step (S3D's, whose misses are noise),
+    high where it comes in runs (self-spec's and lookup's); PRIOR_SLOPE until MIN_FIT steps."""
+    n = jnp.maximum(steps, 1).astype(jnp.float32)
+    mean_r, mean_a = fit[0] / n, fit[1] / n
+    var, cov = fit[2] / n - mean_r * mean_r, fit[3] / n - mean_r * mean_a
+    fitted = jnp.clip(cov / jnp.maximum(var, 1e-6), 0.0, 1.0)
+    return jnp.where((steps >= MIN_FIT) & (var > 1e-6), fitted, PRIOR_SLOPE)
+
+
+def expected_acceptance(rate, total, steps, fit):
+    """The drafts a step is expected to accept: the mean over every drafting step so far (`total` holds one optimistic
+    pseudo-step), moved toward the running acceptance by how much a step's acceptance has followed it (`slope`). Where
+    acceptance does not persist (s3d), a few misses in a row do not pause it; where it is low for long (self-spec,
+    lookup at temperature 1), both are low."""
+    mean = total / (steps + 1)
+    return mean + slope(fit, steps) * (rate - mean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +120,7 @@ class SpecDecoder:
                 "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
                 "breakeven_free": jnp.float32(0.0),
                 "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False),
-                "total": jnp.float32(self.drafter.tree.depth)}
+                "total": jnp.float32(self.drafter.tree.depth), "fit": jnp.zeros(4, jnp.float32)}
 
     def start(self, params, prompt, lengths, key):
         zeros = jnp.zeros_like(lengths, jnp.int32)
@@ -126,9 +149,9 @@ class SpecDecoder:
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
             node_depths = drafter.tree_arrays(dstate, valid.shape[0]).depths[:, 1:]
             rate = (1 - RATE_WEIGHT) * s["rate"] + RATE_WEIGHT * accepted[0]
-            total = s["total"] + accepted[0]
+            total, fit = s["total"] + accepted[0], observe(s["fit"], s["rate"], accepted[0])
             # A probe that found drafts paying again resets the wait to one step; one that did not doubles it.
-            pays = expected_acceptance(rate, total, s["iteration"] + 1) >= s["breakeven"]
+            pays = expected_acceptance(rate, total, s["iteration"] + 1, fit) >= s["breakeven"]
             probe = jnp.where(pays, 1, jnp.where(s["idle"] > 0, jnp.minimum(2 * s["probe"], PROBE_EVERY), s["probe"]))
             drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
             return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
@@ -138,7 +161,8 @@ class SpecDecoder:
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
                     "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
                     "iteration": s["iteration"] + 1, "key": key,
-                    "rate": rate, "total": total, "idle": jnp.int32(0), "probe": probe, "hint": jnp.bool_(False)}
+                    "rate": rate, "total": total, "fit": fit, "idle": jnp.int32(0), "probe": probe,
+                    "hint": jnp.bool_(False)}
 
         def paused(s):
             """A step without a draft: the target's own step, as `ar` takes it, and the drafter told of it."""
@@ -157,7 +181,7 @@ class SpecDecoder:
             again = s["idle"] >= s["probe"] if drafter.hint is None else s["hint"] & (s["idle"] > 0)
             breakeven = s["breakeven"] if drafter.free is None else \
                 jnp.where(drafter.free(s["drafter"], s["length"], s["last"])[0], s["breakeven_free"], s["breakeven"])
-            draft_now = (expected_acceptance(s["rate"], s["total"], s["iteration"]) >= breakeven) | again
+            draft_now = (expected_acceptance(s["rate"], s["total"], s["iteration"], s["fit"]) >= breakeven) | again
             s = jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), drafting(c[1])), (draft_now, s))[1]
             return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.bool_(False), paused(c[1])), (~draft_now, s))[1]
 
@@ -168,7 +192,8 @@ class SpecDecoder:
         drafted = drafted[drafted >= 0]
         return {**acceptance(log[log >= 0], self.drafter.tree.depth),
                 "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist(),
-                "paused_steps": int(state["paused"]), **self.drafter.stats(state["drafter"])}
+                "paused_steps": int(state["paused"]), "gate_slope": float(slope(state["fit"], state["iteration"])),
+                **self.drafter.stats(state["drafter"])}
 
 
 def acceptance(accepted, depth: int) -> dict:
