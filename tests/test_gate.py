@@ -78,11 +78,15 @@ def test_the_mean_acceptance_keeps_a_drafter_that_accepts_well_from_pausing():
 
 def fitted_slope(accepted):
     """The gate's slope after drafting steps that accepted `accepted`, the running acceptance kept as the loop keeps it."""
-    rate, fit = jnp.float32(3.0), jnp.zeros(4, jnp.float32)
+    return float(loop.slope(gauged(accepted)["fit"], jnp.int32(len(accepted))))
+
+
+def gauged(accepted):
+    """The gate's measures after drafting steps that accepted `accepted`, updated as the loop updates them."""
+    g = loop.gauge(3)
     for a in accepted:
-        fit = loop.observe(fit, rate, jnp.int32(a))
-        rate = (1 - loop.RATE_WEIGHT) * rate + loop.RATE_WEIGHT * a
-    return float(loop.slope(fit, jnp.int32(len(accepted))))
+        g = loop.recorded(g, jnp.int32(a))
+    return g
 
 
 def test_the_expected_acceptance_follows_the_running_one_as_far_as_acceptance_persists():
@@ -92,13 +96,9 @@ def test_the_expected_acceptance_follows_the_running_one_as_far_as_acceptance_pe
     assert fitted_slope(steady) < 0.15 and fitted_slope(runs) > 0.6
     # Before MIN_FIT drafting steps, halfway; then a low running acceptance under a steady mean barely moves it.
     assert fitted_slope(runs[:loop.MIN_FIT - 1]) == loop.PRIOR_SLOPE
-    fit = jnp.zeros(4, jnp.float32)
-    rate = jnp.float32(3.0)
-    for a in steady:
-        fit = loop.observe(fit, rate, jnp.int32(a))
-        rate = (1 - loop.RATE_WEIGHT) * rate + loop.RATE_WEIGHT * a
-    mean = float(steady.sum() + 3) / (len(steady) + 1)
-    expected = float(loop.expected_acceptance(jnp.float32(0.0), jnp.float32(steady.sum() + 3), len(steady), fit))
+    g = gauged(steady)
+    mean = float(g["total"]) / (len(steady) + 1)
+    expected = float(loop.expected_acceptance(jnp.float32(0.0), g["total"], len(steady), g["fit"]))
     assert mean * 0.85 < expected <= mean
 
 

@@ -38,6 +38,18 @@ def observe(fit, rate, accepted):
     return fit + jnp.stack([r, a, r * r, r * a])
 
 
+def gauge(depth: int) -> dict:
+    """The gate's measures before any step: the running acceptance and the drafts accepted so far (`total`), both one
+    optimistic pseudo-step of `depth`, and the fitted sums (`observe`)."""
+    return {"rate": jnp.float32(depth), "total": jnp.float32(depth), "fit": jnp.zeros(4, jnp.float32)}
+
+
+def recorded(g: dict, accepted) -> dict:
+    """`gauge`'s measures after a drafting step that accepted `accepted` drafts."""
+    return {"rate": (1 - RATE_WEIGHT) * g["rate"] + RATE_WEIGHT * accepted, "total": g["total"] + accepted,
+            "fit": observe(g["fit"], g["rate"], accepted)}
+
+
 def slope(fit, steps):
     """The least-squares slope of a step's accepted drafts on the running acceptance before it, over `steps` drafting
     steps, within [0, 1]: near 0 where acceptance does not persist from step to step (S3D's, whose misses are noise),
@@ -117,10 +129,9 @@ class SpecDecoder:
                 # draft runs no model (`Drafter.free`), steps paused, paused steps before the next probe, the drafter's
                 # hint from the last paused step, and the drafts accepted so far (with one optimistic pseudo-step, for
                 # `expected_acceptance`'s mean).
-                "rate": jnp.float32(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
+                **gauge(self.drafter.tree.depth), "idle": jnp.int32(0), "breakeven": jnp.float32(0.0),
                 "breakeven_free": jnp.float32(0.0),
-                "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False),
-                "total": jnp.float32(self.drafter.tree.depth), "fit": jnp.zeros(4, jnp.float32)}
+                "paused": jnp.int32(0), "probe": jnp.int32(1), "hint": jnp.bool_(False)}
 
     def start(self, params, prompt, lengths, key):
         zeros = jnp.zeros_like(lengths, jnp.int32)
@@ -148,10 +159,9 @@ class SpecDecoder:
             n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
             node_depths = drafter.tree_arrays(dstate, valid.shape[0]).depths[:, 1:]
-            rate = (1 - RATE_WEIGHT) * s["rate"] + RATE_WEIGHT * accepted[0]
-            total, fit = s["total"] + accepted[0], observe(s["fit"], s["rate"], accepted[0])
+            g = recorded(s, accepted[0])
             # A probe that found drafts paying again resets the wait to one step; one that did not doubles it.
-            pays = expected_acceptance(rate, total, s["iteration"] + 1, fit) >= s["breakeven"]
+            pays = expected_acceptance(g["rate"], g["total"], s["iteration"] + 1, g["fit"]) >= s["breakeven"]
             probe = jnp.where(pays, 1, jnp.where(s["idle"] > 0, jnp.minimum(2 * s["probe"], PROBE_EVERY), s["probe"]))
             drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
             return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
@@ -161,7 +171,7 @@ class SpecDecoder:
                     "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
                     "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
                     "iteration": s["iteration"] + 1, "key": key,
-                    "rate": rate, "total": total, "fit": fit, "idle": jnp.int32(0), "probe": probe,
+                    **g, "idle": jnp.int32(0), "probe": probe,
                     "hint": jnp.bool_(False)}
 
         def paused(s):
