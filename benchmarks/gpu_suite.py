@@ -71,7 +71,8 @@ def pieces(args, run_dir: str) -> list[Piece]:
     out.append(Piece("steps", ("-m", "benchmarks.gpu_steps", *(("--quick", "--only", "smollm2/new") if args.tiny else ()),
                                "--out", at("steps")), ("gpu",)))
     # The chain depths the speed model chooses on this GPU (the benchmarks below run the data file's).
-    out.append(Piece("tune", ("-m", "infer.tune", *model, "--dtype", "bfloat16", "--out", at("tune")), ("gpu", "model")))
+    out.append(Piece("tune", ("-m", "infer.tune", *model, "--dtype", "bfloat16", *(("--methods", "s3d") if args.tiny else ()),
+                             "--out", at("tune")), ("gpu", "model")))
     out += [Piece("tree-attention", ("-m", "benchmarks.tree_attention", *quick, "--out", at("tree-attention")), ("gpu",)),
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}

@@ -36,7 +36,7 @@ def parse_args(argv=None):
 def table(method: str, choices: dict) -> list[str]:
     """Markdown rows: each depth's step times and predicted speed, the chosen depths in bold."""
     costs = next(c.costs for c in choices.values() if c.costs)
-    lines = [f"| {method} depth | draft ms | verify ms | " + " | ".join(f"{name}: predicted vs `ar`" for name in choices)
+    lines = [f"| {method} depth | the model's draft adds, ms | the rest of a step, ms | " + " | ".join(f"{name}: predicted vs `ar`" for name in choices)
              + " |", "| --- | --- | --- |" + " --- |" * len(choices)]
     for g in sorted(costs["verify"]):
         cells = []
@@ -64,8 +64,8 @@ def main(argv=None):
     lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
              + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
-             f"- step times: the fastest of {defaults.ROUNDS} runs of {defaults.REPEATS} steps, at {defaults.CONTEXT} "
-             f"tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
+             f"- step times: each depth's own decode loop, the fastest of the pause gate's timed stretches, at "
+             f"{defaults.CONTEXT} tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
              f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
     if blocking:
         lines.append("- CPU matmul blocking, chosen on this machine (s3djax.kernel_tuning): "

@@ -86,8 +86,10 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
     leaf = jax.tree.leaves(m.params)[0]
     measure = measure and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)  # not a shape alone
 
-    def build_at(g):  # the model's draft always running: the lookup switch's share of steps is in the record
-        options = {**dataclasses.asdict(opts), **defaults.depth_options(method, g), "lookup": 0 if gives_way else None}
+    def build_at(g):  # as it will run: the measurement times steps with and without the model's draft apart
+        options = {**dataclasses.asdict(opts), **defaults.depth_options(method, g)}
+        if not gives_way:
+            options["lookup"] = None
         return methods.build(method, m, max_cache_len=defaults.CACHE_LEN, dtype=dtype, measure=False, **options)
 
     # What build_at's steps depend on besides the depth, read off its inputs rather than built to be read.

@@ -20,9 +20,9 @@ import hashlib
 import json
 import os
 import sys
-import time
 
 import jax
+import jax.numpy as jnp
 import yaml
 
 from s3djax import device, speed_model, user_cache
@@ -33,9 +33,12 @@ ENV = "S3DJAX_DEFAULTS"
 MODES = ("measure", "again", "fixed")
 TABLE = "step-times.json"
 DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft"}  # the option each method's chain depth is
-# Step times are measured at this cache, this many tokens in, each compiled loop of REPEATS steps timed ROUNDS times,
-# every depth in turn, the fastest kept: another process taking the cores makes a run slower, never faster.
-CACHE_LEN, CONTEXT, REPEATS, ROUNDS = 2048, 256, 4, 5
+# Step times are measured at this cache, this many tokens in (`measure_costs`); a draft step alone, in a compiled loop
+# of this many (in shorter loops a step timed slower).
+CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
+# Bumped where what is measured changes, so that step times measured otherwise are measured anew: 2, each depth's own
+# decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work).
+COSTS_VERSION = 2
 
 
 @functools.cache
@@ -119,8 +122,8 @@ def _key(method: str, setting: dict) -> str:
     from cpu_kernels import matmul
 
     blocking = matmul.blocking()
-    text = json.dumps([device.describe(), method, setting] + ([blocking] if blocking else []), sort_keys=True,
-                      default=str)
+    text = json.dumps([COSTS_VERSION, device.describe(), method, setting] + ([blocking] if blocking else []),
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -132,49 +135,61 @@ def _as_costs(entry: dict) -> dict:
     return {"ar": entry["ar"], **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify")}}
 
 
-def measure_costs(method: str, build, depths: list[int]) -> dict:
-    """Seconds per step at each depth on this machine: {"ar": s, "draft": {g: s}, "verify": {g: s}}.
-    `build(g)` returns the method built at depth g with its model draft always running."""
+def measure_costs(method: str, build, depths: list[int], record: dict | None = None) -> dict | None:
+    """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}}, timed in the
+    compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step of `ar`'s loop;
+    "draft" the model's draft alone, and "verify" the rest of a step that drafts by the model, in depth g's own loop
+    (`gate.measure`), verification and the loop's work (a step drafted by prompt lookup instead costs about that).
+    `build(g)` returns the method built at depth g as it will run. With the `record` of what each depth commits, the
+    depths stop where the speed model finds two in a row slower than the best (`speed_model.past_best`). None where a
+    loop could not be timed (a drafter that cannot pause)."""
     from s3djax.decode import Runner
-    from s3djax.speculative.profile import compiled_loop, step_functions
+    from s3djax.speculative import gate
+    from s3djax.speculative.profile import ms_per_step, step_functions
 
     prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
-    runs, carries = {}, {}  # (name, g) -> (compiled loop, params); g -> the carry depth g's loops pass on
-    for g in depths:
+    costs = {"draft": {}, "verify": {}}
+    for g in sorted(depths):
         built = build(g)
-        state = Runner(built.decoder, built.params).prefill(prompt)
-        length, last = state["length"], state["last"]
-        carry = (state["cache"], state["drafter"])
-        for name, step in step_functions(built.decoder).items():
-            if name == "ar_step_ms" and runs:
-                continue
-            key = {"ar_step_ms": "ar", "draft_step_ms": "draft", "verify_step_ms": "verify"}[name]
-            if key == "draft" and method == "lookup":
-                continue  # lookup drafts by a search, no forward: its cost is left out, as the model's share is 0
-            run, carry = compiled_loop(lambda p, c, step=step, length=length, last=last: step(p, c, length, last),
-                                       built.params, carry, REPEATS)
-            runs[key, g] = (run, built.params)
-        carries[g] = carry
-        del state
-    best = {}
-    for _ in range(ROUNDS):
-        for (k, g), (run, params) in runs.items():
-            t = time.perf_counter()
-            carries[g], acc = run(params, carries[g])
-            jax.block_until_ready(acc)
-            best[k, g] = min(best.get((k, g), float("inf")), (time.perf_counter() - t) / REPEATS)
-    costs = {"ar": best["ar", depths[0]], "draft": {}, "verify": {}}
-    for (k, g), s in best.items():
-        if k != "ar":
-            costs[k][g] = s
-    if method == "lookup":
-        costs["draft"] = {g: 0.0 for g in depths}
+        if "ar" not in costs:
+            costs["ar"] = loop_step_s(Runner(built.decoder.ar, built.params[0]), prompt)
+        runner = Runner(dataclasses.replace(built.decoder, gate=True), built.params)
+        found = gate.measure(runner, prompt)
+        if found is None:
+            return None
+        draft = 0.0
+        if method != "lookup":  # lookup drafts by a search, not a model
+            state, step = runner.prefill(prompt), step_functions(built.decoder)["draft_step_ms"]
+            draft = ms_per_step(lambda p, c: step(p, c, state["length"], state["last"]), built.params,
+                                (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
+        # The rest of a step verifies at least one token, so it costs no less than the target's own step.
+        costs["draft"][g] = min(draft, found["draft_s"] - found["pause_s"])
+        costs["verify"][g] = found["draft_s"] - costs["draft"][g]
+        if record and speed_model.past_best(speed_model.speedups(record, costs)):
+            break
     return costs
 
 
-def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool) -> dict | None:
-    """The cached step times for this machine and setting, else measured now (one line says so) where `measure`;
-    None where neither."""
+def loop_step_s(runner, prompt: list[int], tokens: int = 16, rounds: int = 3) -> float:
+    """Seconds per step of `runner`'s compiled decode loop on `prompt`'s cache: the fastest of `rounds` stretches of
+    `tokens` tokens, after one that warms it up."""
+    from s3djax.speculative.gate import stretch
+
+    state = runner.prefill(prompt)
+    decode = runner._compiled("decode", runner.decoder.decode, state, jnp.int32(0))[0]
+    best = float("inf")
+    for i in range(rounds + 1):
+        # What is decoded is never shown, so an EOS does not end the timing.
+        state, steps, seconds = stretch(decode, runner.params, {**state, "done": jnp.zeros_like(state["done"])}, tokens)
+        if i and steps:
+            best = min(best, seconds / steps)
+    return best
+
+
+def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool,
+               record: dict | None = None) -> dict | None:
+    """The cached step times for this machine and setting, else measured now (one line says so) where `measure`, as
+    far as `record` says deeper depths stop paying (`measure_costs`); None where neither."""
     k = _key(method, setting)
     table = user_cache.read_table(TABLE, _valid)
     if k in table and mode() != "again":
@@ -183,7 +198,9 @@ def step_costs(method: str, build, depths: list[int], setting: dict, *, measure:
         return None
     print(f"measuring {method}'s step times on this machine to choose its depth (once)...", file=sys.stderr,
           flush=True)
-    costs = measure_costs(method, build, depths)
+    costs = measure_costs(method, build, depths, record)
+    if costs is None:
+        return None
     table[k] = {**costs, "method": method, "device": device.describe(), "date": datetime.date.today().isoformat()}
     user_cache.write_table(TABLE, table)
     return costs
@@ -209,7 +226,7 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
     record = acceptance_record(model, method, draft_path, greedy, lookup_switch)
     if record is None:
         return Choice(fixed, "configs/defaults.yaml: no acceptance record for this draft")
-    costs = step_costs(method, build, sorted(record), setting, measure=measure)
+    costs = step_costs(method, build, sorted(record), setting, measure=measure, record=record)
     if costs is None:
         return Choice(fixed, "configs/defaults.yaml: step times not measured yet")
     g, predicted = speed_model.best_depth(record, costs)

@@ -31,3 +31,10 @@ def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
     if not predicted:
         raise ValueError("no depth has both a record and a cost")
     return max(predicted, key=lambda g: (predicted[g], -g)), predicted
+
+
+def past_best(predicted: dict[int, float]) -> bool:
+    """Whether the two deepest depths in `predicted` are both slower than the best: past them a chain commits little
+    more and costs more, so deeper ones are not worth measuring."""
+    deepest = sorted(predicted)[-2:]
+    return len(deepest) == 2 and all(predicted[g] < max(predicted.values()) for g in deepest)

@@ -30,6 +30,8 @@ def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
     g, predicted = speed_model.best_depth(RECORD, steep)
     assert g == 2 and predicted[2] == pytest.approx(2.4 * 0.010 / (0.005 + 0.0105))
     assert max(predicted.values()) == predicted[2] and set(predicted) == {1, 2, 3, 4}
+    # Measuring stops once two depths in a row are slower than the best (here 3 and 4), not at one.
+    assert speed_model.past_best(predicted) and not speed_model.past_best({g: predicted[g] for g in (1, 2, 3)})
     # A step that skips the model's draft (lookup drafted it) costs only its verify.
     half = {g: {**r, "model_drafts": 0.5} for g, r in RECORD.items()}
     assert speed_model.speedups(half, steep)[2] == pytest.approx(2.4 * 0.010 / (0.5 * 0.005 + 0.0105))
@@ -51,9 +53,9 @@ def machine(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "acceptance_path", lambda model: str(path))
     state = types.SimpleNamespace(calls=0, table=costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}))
 
-    def measure(method, build, depths):
+    def measure(method, build, depths, record):
         state.calls += 1
-        assert depths == [1, 2, 3, 4]
+        assert depths == [1, 2, 3, 4] and record == RECORD
         return state.table
     monkeypatch.setattr(defaults, "measure_costs", measure)
     return state
@@ -123,12 +125,12 @@ def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(mach
     assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=str(draft), greedy=True).costs is None
 
 
-def test_measuring_times_each_depths_draft_and_verify_on_a_real_model():
+def test_measuring_times_each_depths_own_loop_on_a_real_model():
     m = tiny_model()
     m = dataclasses.replace(m, tokenizer=types.SimpleNamespace(pad_token_id=0))
 
     def build(g):
-        return methods.build("s3d", m, max_cache_len=defaults.CACHE_LEN, draft_path="none", gamma=g, lookup=0)
+        return methods.build("s3d", m, max_cache_len=defaults.CACHE_LEN, draft_path="none", gamma=g, lookup=1)
     measured = defaults.measure_costs("s3d", build, [1, 3])
     assert set(measured) == {"ar", "draft", "verify"} and set(measured["draft"]) == set(measured["verify"]) == {1, 3}
     assert all(0 < s < 1 for s in [measured["ar"], *measured["draft"].values(), *measured["verify"].values()])
@@ -140,7 +142,7 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
     monkeypatch.setenv(defaults.ENV, "measure")
     target = {"s3d": 6, "lookup": 5}
-    monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths: {
+    monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths, record: {
         "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths}})
     from s3djax.tokenizer import encode_prompt
 

@@ -74,11 +74,8 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
                  "idle": jnp.int32(0 if drafting else -(1 << 30)), "done": jnp.zeros_like(state["done"])}
         if drafter.force is not None:
             state = {**state, "drafter": drafter.force(state["drafter"], mode == "free")}
-        before, freed = int(state[counter]), free_steps(drafter, state) if mode == "free" else 0
-        t = time.perf_counter()
-        state = decode(params, state, jnp.int32(int(state["step"]) + tokens))
-        steps = int(state[counter]) - before  # a sync: the stretch has run
-        seconds = time.perf_counter() - t
+        freed = free_steps(drafter, state) if mode == "free" else 0
+        state, steps, seconds = stretch(decode, params, state, tokens, counter)
         if steps == 0:  # the cache is full
             break
         if not i:  # the first stretch only warms up
@@ -97,6 +94,15 @@ def measure(runner, prompt_ids: list[int]) -> dict | None:
         out["free_s"] = max(min(per_free), 0.0)
         out["breakeven_free"] = out["free_s"] / best["pause"] - 1
     return out
+
+
+def stretch(decode, params, state, tokens: int, counter: str = "step"):
+    """(state, steps, seconds): the compiled loop `decode` run on for `tokens` more tokens, the steps `counter` counts
+    over them, and how long they took."""
+    before, t = int(state[counter]), time.perf_counter()
+    state = decode(params, state, jnp.int32(int(state["step"]) + tokens))
+    steps = int(state[counter]) - before  # a sync: the stretch has run
+    return state, steps, time.perf_counter() - t
 
 
 def free_steps(drafter, state) -> int:
