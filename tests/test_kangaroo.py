@@ -313,3 +313,21 @@ def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2)
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.5, 3, 1)  # the flags override the file
     # A file that records no tree drafts the chain (the S2D draft records none).
     assert methods.build("s2d", smollm2, max_cache_len=128).decoder.drafter.tree.spine_name == "chain"
+
+
+def test_a_paused_step_leaves_the_adapter_cache_a_drafted_step_would():
+    # The pause gate's step drafts nothing; the next draft still reads the adapter's K/V for its token, which
+    # `pause` writes as the first block of a drafted step would.
+    from s3djax.sampling import GREEDY
+
+    params = random_params(LLAMA, 0)
+    drafter = KangarooDrafter(LLAMA, TreeSpec.chain(3), exit_layer=1, eta=0.0)
+    adapter = noisy(init_adapter(params, LLAMA, 1), 1, 0.05)
+    state = Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), drafter), (params, adapter)).prefill(
+        [3, 1, 4, 1, 5, 9, 2, 6])
+    length, last, slot = state["length"], state["last"], int(state["length"][0])
+    paused = drafter.pause(params, adapter, state["cache"], length, last, state["drafter"])["adapter"]
+    drafted = drafter.draft(params, adapter, state["cache"], length, last, state["drafter"], None, GREEDY)[-1]["adapter"]
+    for name in ("k", "v"):
+        np.testing.assert_allclose(paused[name][:, :slot + 1], drafted[name][:, :slot + 1], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(paused[name][:, slot], state["drafter"]["adapter"][name][:, slot])  # it was written

@@ -221,17 +221,20 @@ def test_drafting_inside_the_verify_pass_samples_the_target_distribution(params)
     assert chi_square_p(sampled_joint(params, decoder, draft), exact_joint(SHAPED)) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("lookup", ["none", "giving-way", "alone"], ids=["s3d", "s3d-giving-way-to-lookup", "lookup"])
-def test_pausing_by_the_running_acceptance_samples_the_target_distribution(params, lookup):
+@pytest.mark.parametrize("kind", ["none", "giving-way", "alone", "kangaroo"],
+                         ids=["s3d", "s3d-giving-way-to-lookup", "lookup", "kangaroo"])
+def test_pausing_by_the_running_acceptance_samples_the_target_distribution(params, kind):
     # The first step drafts; whether the next ones do depends on what earlier steps accepted (an expected acceptance
     # of 0.6, half the rate with no mean yet, against a breakeven of 0.5: one rejected step pauses the next), and
     # lookup's on whether its proposal was the token a paused step drew (its hint). Giving way, the steps lookup drafts
     # weigh the same expectation against a breakeven of their own.
     decoder, plan = spec_decoder(NUCLEUS, "chain", gamma=2)
     drafter = {"none": decoder.drafter, "giving-way": WithLookup(decoder.drafter, switch=1, ngram=2),
-               "alone": LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2)}[lookup]
+               "alone": LookupDrafter(SMALL, trees.TreeSpec.chain(2), ngram=2),
+               "kangaroo": KangarooDrafter(SMALL, trees.TreeSpec.chain(2), exit_layer=1, eta=0.0)}[kind]
     decoder = SpecDecoder.create(decoder.ar, drafter, gate=True)
-    counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan), rate=np.float32(1.2),
+    draft = init_adapter(params, SMALL, 1) if kind == "kangaroo" else init_draft(params, SMALL, plan)
+    counts = sampled_joint(params, decoder, draft, rate=np.float32(1.2),
                            total=np.float32(0.0), breakeven=np.float32(0.5), breakeven_free=np.float32(0.55))
     assert chi_square_p(counts, exact_joint(NUCLEUS)) > SIGNIFICANCE
 

@@ -113,10 +113,10 @@ def free_steps(drafter, state) -> int:
 def tune(runner, prompt_ids, name: str, choice: str | None = None) -> float | None:
     """Set the runner's breakeven from the cache, else measure it (saying so in one line); None where the decoder
     has no gate, the gate is off, or the cache is too short to measure. On or off: S3DJAX_TUNE where set (`again`:
-    on, measured anew), else `choice` (--pause), else configs/defaults.yaml. `prompt_ids()` gives the prompt to
-    measure on."""
+    on, measured anew), else `choice` (--pause), else configs/defaults.yaml's for the method `name`. `prompt_ids()`
+    gives the prompt to measure on."""
     drafter = getattr(runner.decoder, "drafter", None)
-    mode = (os.environ.get(ENV) or choice or defaults.fallback("pause")).lower()
+    mode = (os.environ.get(ENV) or choice or defaults.fallback("pause", name) or "off").lower()
     if drafter is None or drafter.pause is None or mode not in ("on", "again"):
         return None
     runner.decoder = dataclasses.replace(runner.decoder, gate=True)  # the paused branch, compiled in

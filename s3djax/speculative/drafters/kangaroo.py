@@ -173,6 +173,15 @@ class KangarooDrafter(ChainDrafter):
                               lambda h: draft_logits(params, h, self.config, draft.get("head")), hidden[:, 0])
         return logits, cache, state
 
+    def pause(self, params, draft, cache, length, last, state):
+        """A step that drafts nothing, the target's own on `last` at slot `length`: the adapter's K/V for `last`,
+        from its exit state, as a drafted step's first block writes them. Layers 0..l-1 run again for it (the
+        target's step keeps its exit state to itself); their K/V are the step's, so this cache is dropped."""
+        positions, mask = length[:, None], kv.causal(length, 1)
+        exits, _ = self._shallow(params, last[:, None], positions, cache, length, mask)
+        _, layer = adapter_hidden(draft, exits, state["adapter"], positions, length, mask, config=self.config)
+        return {**state, "adapter": layer}
+
     def gave_way(self, params, draft, cache, length, last, nodes, state):
         """Another source drafted the chain: one block over the root and every node (no head) leaves the exit
         states verification reads and the K/V a committed node needs, as drafting them would."""
