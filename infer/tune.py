@@ -64,7 +64,7 @@ def main(argv=None):
     lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
              + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
-             f"- step times: each depth's own decode loop, the fastest of the pause gate's timed stretches, at "
+             f"- step times: `ar`'s and each depth's own decode loop (`defaults.measure_costs`), at "
              f"{defaults.CONTEXT} tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
              f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
     if blocking:

@@ -135,16 +135,14 @@ def _as_costs(entry: dict) -> dict:
     return {"ar": entry["ar"], **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify")}}
 
 
-def measure_costs(method: str, build, depths: list[int], record: dict | None = None) -> dict | None:
+def measure_costs(method: str, build, depths: list[int], record: dict | None = None) -> dict:
     """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}}, timed in the
     compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step of `ar`'s loop;
-    "draft" the model's draft alone, and "verify" the rest of a step that drafts by the model, in depth g's own loop
-    (`gate.measure`), verification and the loop's work (a step drafted by prompt lookup instead costs about that).
-    `build(g)` returns the method built at depth g as it will run. With the `record` of what each depth commits, the
-    depths stop where the speed model finds two in a row slower than the best (`speed_model.past_best`). None where a
-    loop could not be timed (a drafter that cannot pause)."""
+    "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by the model:
+    verification and the loop's work (a step drafted by prompt lookup instead costs about that). `build(g)` returns
+    the method built at depth g as it will run. With the `record` of what each depth commits, the depths stop where
+    the speed model finds two in a row slower than the best (`speed_model.past_best`)."""
     from s3djax.decode import Runner
-    from s3djax.speculative import gate
     from s3djax.speculative.profile import ms_per_step, step_functions
 
     prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
@@ -153,34 +151,39 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
         built = build(g)
         if "ar" not in costs:
             costs["ar"] = loop_step_s(Runner(built.decoder.ar, built.params[0]), prompt)
-        runner = Runner(dataclasses.replace(built.decoder, gate=True), built.params)
-        found = gate.measure(runner, prompt)
-        if found is None:
-            return None
+        drafter, runner = built.decoder.drafter, Runner(built.decoder, built.params)
+
+        def by_the_model():  # a fresh state (each timing consumes its own) whose steps all draft by the model
+            state = runner.prefill(prompt)
+            return state if drafter.force is None else {**state, "drafter": drafter.force(state["drafter"], False)}
+        step = loop_step_s(runner, prompt, by_the_model(), "iteration")
         draft = 0.0
         if method != "lookup":  # lookup drafts by a search, not a model
-            state, step = runner.prefill(prompt), step_functions(built.decoder)["draft_step_ms"]
-            draft = ms_per_step(lambda p, c: step(p, c, state["length"], state["last"]), built.params,
+            state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
+            draft = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
                                 (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
         # The rest of a step verifies at least one token, so it costs no less than the target's own step.
-        costs["draft"][g] = min(draft, found["draft_s"] - found["pause_s"])
-        costs["verify"][g] = found["draft_s"] - costs["draft"][g]
+        costs["draft"][g] = max(min(draft, step - costs["ar"]), 0.0)
+        costs["verify"][g] = step - costs["draft"][g]
         if record and speed_model.past_best(speed_model.speedups(record, costs)):
             break
     return costs
 
 
-def loop_step_s(runner, prompt: list[int], tokens: int = 16, rounds: int = 3) -> float:
-    """Seconds per step of `runner`'s compiled decode loop on `prompt`'s cache: the fastest of `rounds` stretches of
-    `tokens` tokens, after one that warms it up."""
+def loop_step_s(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32,
+                rounds: int = 3) -> float:
+    """Seconds per step of `runner`'s compiled decode loop on `prompt`'s cache (or from `state`, its prefill), steps
+    as `counter` counts them: the fastest of `rounds` stretches of `tokens` tokens, after one that warms it up
+    (another process slows a stretch, never speeds it)."""
     from s3djax.speculative.gate import stretch
 
-    state = runner.prefill(prompt)
+    state = runner.prefill(prompt) if state is None else state
     decode = runner._compiled("decode", runner.decoder.decode, state, jnp.int32(0))[0]
     best = float("inf")
     for i in range(rounds + 1):
         # What is decoded is never shown, so an EOS does not end the timing.
-        state, steps, seconds = stretch(decode, runner.params, {**state, "done": jnp.zeros_like(state["done"])}, tokens)
+        state, steps, seconds = stretch(decode, runner.params, {**state, "done": jnp.zeros_like(state["done"])},
+                                        tokens if i else 4, counter)
         if i and steps:
             best = min(best, seconds / steps)
     return best
@@ -199,8 +202,6 @@ def step_costs(method: str, build, depths: list[int], setting: dict, *, measure:
     print(f"measuring {method}'s step times on this machine to choose its depth (once)...", file=sys.stderr,
           flush=True)
     costs = measure_costs(method, build, depths, record)
-    if costs is None:
-        return None
     table[k] = {**costs, "method": method, "device": device.describe(), "date": datetime.date.today().isoformat()}
     user_cache.write_table(TABLE, table)
     return costs

@@ -33,8 +33,13 @@ def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
     return max(predicted, key=lambda g: (predicted[g], -g)), predicted
 
 
+# How far below the best a depth's prediction must fall to count as past it: step times spread by a few percent from
+# run to run, and a flat curve (lookup's) must not stop at its first dip.
+PAST_BEST = 0.95
+
+
 def past_best(predicted: dict[int, float]) -> bool:
-    """Whether the two deepest depths in `predicted` are both slower than the best: past them a chain commits little
-    more and costs more, so deeper ones are not worth measuring."""
-    deepest = sorted(predicted)[-2:]
-    return len(deepest) == 2 and all(predicted[g] < max(predicted.values()) for g in deepest)
+    """Whether the two deepest depths in `predicted` are both clearly slower than the best (below PAST_BEST of it):
+    past them a chain commits little more and costs more, so deeper ones are not worth measuring."""
+    deepest, best = sorted(predicted)[-2:], max(predicted.values(), default=0.0)
+    return len(deepest) == 2 and all(predicted[g] < PAST_BEST * best for g in deepest)

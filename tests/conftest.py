@@ -32,10 +32,16 @@ SLOW_MODULES = {"test_benchmark", "test_chat", "test_cpu_matmul", "test_distill"
                 "test_s2d", "test_search_skip", "test_self_spec", "test_smollm2", "test_spec", "test_train"}
 
 
+# Started first, so that the workers finish together: the longest tests (minutes on CI's 2 cores), which when handed
+# out late run on while the other workers have nothing left.
+FIRST = ("test_gpu_suite.py::test_tiny_runs_every_piece", "test_optimized_compile.py::", "test_notebook.py::")
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: not any(name in item.nodeid for name in FIRST))  # stable: the rest keep their order
 
 _COMPILES = []
 monitoring.register_event_duration_secs_listener(

@@ -30,8 +30,10 @@ def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
     g, predicted = speed_model.best_depth(RECORD, steep)
     assert g == 2 and predicted[2] == pytest.approx(2.4 * 0.010 / (0.005 + 0.0105))
     assert max(predicted.values()) == predicted[2] and set(predicted) == {1, 2, 3, 4}
-    # Measuring stops once two depths in a row are slower than the best (here 3 and 4), not at one.
+    # Measuring stops once two depths in a row are clearly slower than the best (here 3 and 4), not at one, nor at
+    # two within a few percent of it.
     assert speed_model.past_best(predicted) and not speed_model.past_best({g: predicted[g] for g in (1, 2, 3)})
+    assert not speed_model.past_best({1: 1.27, 2: 1.20, 3: 1.26})
     # A step that skips the model's draft (lookup drafted it) costs only its verify.
     half = {g: {**r, "model_drafts": 0.5} for g, r in RECORD.items()}
     assert speed_model.speedups(half, steep)[2] == pytest.approx(2.4 * 0.010 / (0.5 * 0.005 + 0.0105))
