@@ -2,7 +2,7 @@
 
 SmolLM2-135M (its real weights), where a step is small enough to be bound by launches and
 attention as much as by weights; and the Llama-2-7B shape with random weights, where a decode step
-is bound by reading the weights. For each: median step time, achieved weight bandwidth against a
+is bound by reading the weights. For each: fastest step time, achieved weight bandwidth against a
 measured device copy, parameter bytes and device memory in use.
 
     python -m benchmarks.int8_decode [--quick] [--context 512] [--max-cache-len 1024]
@@ -95,7 +95,7 @@ def main():
         f"- measured copy bandwidth: {copy_bw / 1e9:.1f} GB/s; process peak device memory: "
         f"{'-' if peak is None else f'{peak / 2**30:.2f} GiB'}",
         f"- one token per step over a {args.max_cache_len}-slot bf16 cache holding {args.context} tokens; activations "
-        f"bf16; each step run {args.repeats} times in a loop carrying the cache in place, median of 3 such runs",
+        f"bf16; each step run {args.repeats} times in a loop carrying the cache in place, fastest of 3 such runs",
         "- weight GB/s: the bytes of weights a step reads (layers and LM head) per step time; the KV cache read is "
         "extra",
         "- int8: the layers' linears; int8-all: also the embedding and LM head",

@@ -86,7 +86,7 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
     leaf = jax.tree.leaves(m.params)[0]
     measure = measure and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)  # not a shape alone
 
-    def build_at(g):  # as it will run: the measurement times steps with and without the model's draft apart
+    def build_at(g):  # as it will run; the measurement itself makes every step draft by the model
         options = {**dataclasses.asdict(opts), **defaults.depth_options(method, g)}
         if not gives_way:
             options["lookup"] = None

@@ -15,9 +15,10 @@ from s3djax.speculative import gate, loop
 from s3djax.speculative import tree as trees
 from s3djax.speculative.draft_params import init_draft
 from s3djax.speculative.drafters.kangaroo import KangarooDrafter, init_adapter
-from s3djax.speculative.drafters.s2d import S2DDrafter
 from s3djax.speculative.drafters.lookup import LookupDrafter, WithLookup
+from s3djax.speculative.drafters.s2d import S2DDrafter
 from s3djax.speculative.drafters.s3d import S3DDrafter
+from s3djax.speculative.drafters.s3d_in_verify import InVerifyS3DDrafter
 from s3djax.speculative.drafters.self_spec import AdaptiveThreshold, SelfSpecDrafter
 from s3djax.speculative.loop import PROBE_EVERY, SpecDecoder
 from s3djax.tokenizer import encode_chat
@@ -33,17 +34,19 @@ def drafters():
             "s3d+lookup": WithLookup(s3d, switch=1, ngram=2),
             "self-spec": SelfSpecDrafter(LLAMA, PLAN, trees.TreeSpec.chain(3), AdaptiveThreshold(initial=0.3)),
             "kangaroo+lookup": WithLookup(KangarooDrafter(LLAMA, trees.TreeSpec.chain(3), exit_layer=1, eta=0.0),
-                                          switch=1, ngram=2)}
+                                          switch=1, ngram=2),
+            "s2d+lookup": WithLookup(S2DDrafter(LLAMA, trees.TreeSpec.chain(3), exits=(1, 2)), switch=1, ngram=2)}
 
 
 def runner(drafter, params, **kw):
     inner = getattr(drafter, "inner", drafter)
     draft = init_draft(params, LLAMA, PLAN) if isinstance(inner, S3DDrafter) else \
-        init_adapter(params, LLAMA, inner.exit_layer) if isinstance(inner, KangarooDrafter) else {}
+        init_adapter(params, LLAMA, inner.exit_layer) if isinstance(inner, KangarooDrafter) else \
+        {"thresholds": jnp.asarray([0.1])} if isinstance(inner, S2DDrafter) else {}
     return Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=(), **kw), drafter, gate=True), (params, draft))
 
 
-@pytest.mark.parametrize("name", ["s3d", "lookup", "s3d+lookup", "self-spec", "kangaroo+lookup"])
+@pytest.mark.parametrize("name", ["s3d", "lookup", "s3d+lookup", "self-spec", "kangaroo+lookup", "s2d+lookup"])
 @pytest.mark.parametrize("breakeven", [float("inf"), 0.5])
 def test_pausing_keeps_greedy_output_ars(name, breakeven):
     params = random_params(LLAMA, 0)
@@ -143,10 +146,10 @@ def test_off_the_gate_is_not_compiled_in():
 
 def test_drafters_that_cannot_pause_draft_every_step():
     params = random_params(LLAMA, 0)
-    s2d = S2DDrafter(LLAMA, trees.TreeSpec.chain(2), exits=(1,))
-    assert s2d.pause is None and WithLookup(s2d).pause is None
-    assert gate.tune(Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), s2d), (params, {})),
-                     lambda: [1, 2, 3], "s2d") is None
+    in_verify = InVerifyS3DDrafter(LLAMA, PLAN, trees.TreeSpec.chain(2), 2)  # its chain comes from the last verify
+    assert in_verify.pause is None and WithLookup(in_verify).pause is None
+    spec = Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), in_verify), (params, init_draft(params, LLAMA, PLAN)))
+    assert gate.tune(spec, lambda: [1, 2, 3], "s3d", choice="on") is None and not spec.overrides
 
 
 def entry_of(cache_home, spec) -> dict:

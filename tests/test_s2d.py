@@ -1,5 +1,5 @@
 """S2D: greedy output equals each target's ar token for token, alone and giving way to prompt lookup, with int8
-copies of the draft's layers too, early exits and lookup's steps keep the draft cache exact, SoFT's gradients reach
+copies of the draft's layers too, early exits, lookup's steps and paused steps keep the draft cache exact, SoFT's gradients reach
 every exit, and a tiny training run writes an artifact `--method s2d` loads."""
 
 import dataclasses
@@ -32,12 +32,13 @@ def compiled(decoder):
     return jax.jit(decoder.start), jax.jit(decoder.decode)
 
 
-def generate(decoder, params, prompt, n):
-    """(the first n new tokens, the final loop state): one executable per decoder, prompts padded alike."""
+def generate(decoder, params, prompt, n, **overrides):
+    """(the first n new tokens, the final loop state): one executable per decoder, prompts padded alike; `overrides`
+    set start-state entries (the pause gate's breakeven)."""
     start, decode = compiled(decoder)
     padded = jnp.asarray([prompt + [0] * (BUCKET - len(prompt))], jnp.int32)
-    state = decode(params, start(params, padded, jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0)),
-                   jnp.int32(n))
+    state = start(params, padded, jnp.asarray([len(prompt)], jnp.int32), jax.random.key(0))
+    state = decode(params, {**state, **{k: jnp.float32(v) for k, v in overrides.items()}}, jnp.int32(n))
     return np.asarray(state["tokens"])[0, :n].tolist(), state
 
 
@@ -196,8 +197,7 @@ def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_ar
     spec = s2d_decoder(LLAMA, "chain", lookup)
     drafter, n = spec.drafter.inner if lookup else spec.drafter, len(EXITS)
     draft_step = jax.jit(drafter.draft, static_argnums=7)
-    prefill = jax.jit(lambda params, draft, tokens, cache: drafter.extend(
-        params, draft, drafter.init_state(params, draft, cache), tokens, jnp.zeros((1,), jnp.int32), cache))
+    prefill = full_depth_prefill(drafter)
     holes_then_deeper = 0
     for prompt, steps in ((PROMPTS[1], 25), (PROMPTS[2], 30)):
         _, state = generate(spec, (params, draft), prompt, steps)
@@ -221,6 +221,29 @@ def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_ar
             reached = np.asarray(clean[4]["reached"])[0, length + 1:length + 4]  # chain tokens 1-3 (4 is not run)
             holes_then_deeper += any(reached[i] < n and reached[i + 1:].max() > reached[i] for i in range(2))
     assert holes_then_deeper  # some token exited early and a later one went deeper, past its hole
+
+
+def full_depth_prefill(drafter):
+    return jax.jit(lambda params, draft, tokens, cache: drafter.extend(
+        params, draft, drafter.init_state(params, draft, cache), tokens, jnp.zeros((1,), jnp.int32), cache))
+
+
+def test_paused_steps_keep_the_draft_cache_a_full_depth_prefill():
+    # The pause gate with no step paying: only probes draft, after runs of 1, 2, 4, 8 paused steps, longer than block
+    # 0 reaches back. Every slot the next block 0 does not recompute holds a full-depth prefill's K/V.
+    params, draft = case(LLAMA, "float")
+    spec = dataclasses.replace(s2d_decoder(LLAMA, "chain"), gate=True)
+    ar, g = ARDecoder(LLAMA, CACHE, eos_ids=()), spec.drafter.tree.depth
+    for prompt in PROMPTS[1:]:
+        got, state = generate(spec, (params, draft), prompt, 40, breakeven=np.inf)
+        assert got == generate(ar, params, prompt, 40)[0]
+        assert int(state["paused"]) >= 15 and int(state["iteration"]) >= 3
+        d, length = state["drafter"], int(state["length"][0])
+        done = length - g - 1
+        ref = full_depth_prefill(spec.drafter)(params, draft, d["history"][:, :done + 1], state["cache"])
+        for layer, want in zip(d["cache"], ref["cache"]):
+            for name in ("k", "v"):
+                np.testing.assert_allclose(layer[name][:, :done + 1], want[name][:, :done + 1], atol=2e-5)
 
 
 def test_soft_gradients_reach_every_exit_and_only_layers_below_it():

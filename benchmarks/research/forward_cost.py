@@ -94,7 +94,7 @@ def main():
     lines = [f"# Forward cost over T new tokens, SmolLM2-135M-Instruct {args.dtype}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- cache length {args.max_cache_len}, {args.context} committed tokens; causal attention and the full "
-             f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, median of 3",
+             f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, fastest of 3",
              f"- matmul paths: {', '.join(PATHS[p] for p in args.paths)}", "",
              "| T new tokens | " + " | ".join(f"{p} ms | {p} vs its T = 1" for p in args.paths)
              + (f" | {first} vs {args.paths[1]} |" if len(args.paths) > 1 else " |"),

@@ -24,7 +24,8 @@ whose K/V each slot holds, and handles the holes in two places:
   (slots max(length - gamma, 0) .. length, token ids from a history of committed tokens), run
   through all N_d layers. Every token the previous step accepted is among them, so after block 0
   every committed slot holds exactly the K/V a full-depth prefill of the committed text would
-  (tested), and the root's deepest exit proposes depth 1.
+  (tested), and the root's deepest exit proposes depth 1. A step that drafts nothing (the pause gate's, or one
+  that prompt lookup drafted) runs block 0 alone, so a run of them leaves no committed slot behind.
 Why not CALM-style propagation (copying an exited token's last hidden state into the skipped
 layers' K/V)? It is an approximation whose errors stay in the cache and compound over a long
 generation, and it needs a projection at every skipped layer anyway. Recomputing gives an exact
@@ -186,10 +187,15 @@ class S2DDrafter(ChainDrafter):
                  "root_logits": self.exit_logits(params, draft, root)}
         return super().draft(params, draft, cache, length, last, state, key, sampling)
 
+    def pause(self, params, draft, cache, length, last, state):
+        """A step that drafts nothing (the target's own on `last` at slot `length`): block 0 alone, since the next
+        one reaches back only gamma slots and a run of such steps would otherwise leave committed slots it never
+        recomputed. It also fills the holes of the drafted step before it, so no paused step reads one."""
+        return self._tail(params, draft, length, last, state)[1]
+
     def gave_way(self, params, draft, cache, length, last, nodes, state):
-        """Another source drafted the chain: block 0 alone, since the next one reaches back only gamma slots and two
-        such steps in a row would otherwise leave committed slots it never recomputed."""
-        return cache, self._tail(params, draft, length, last, state)[1]
+        """Another source drafted the chain: block 0 alone, as at a paused step."""
+        return cache, self.pause(params, draft, cache, length, last, state)
 
     def block(self, params, draft, cache, state, tokens, positions, slot, mask):
         state = dict(state)
