@@ -450,7 +450,7 @@ def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
     runs = {"shipped": Runner(shipped.decoder, shipped.params), "ar": Runner(ar.decoder, ar.params),
             "untrained": Runner(untrained.decoder, (untrained.params[0], {**untrained.params[1], **vocab}))}
     accepted = {"shipped": [], "untrained": []}
-    for q in mt_bench()[:3]:
+    for q in mt_bench()[:2]:
         ids = encode_prompt(smollm2.tokenizer, q["turns"][0], chat_template=True)
         expected = runs["ar"].generate(ids, 40).tokens
         for name in accepted:
@@ -460,5 +460,5 @@ def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
     # Depth 2, the first mask token: at depth 1 the draft is the last token through the kept layers, which with
     # 28 of 30 kept agrees with the verifier nearly as often untrained.
     alpha = {name: acceptance(a, 4)["acceptance_by_depth"][1] for name, a in accepted.items()}
-    # Measured: 0.41 against 0.10 (the 28-layer draft of 2026-11-28).
+    # Measured: 0.37 against 0.12 on the first two prompts (the 28-layer draft of 2026-11-28).
     assert alpha["shipped"] > alpha["untrained"] + 0.2, alpha

@@ -7,7 +7,7 @@ tokens: Kangaroo at eta 0, S2D at thresholds 0 (every token leaves at the first,
 `s3d-in-verify`, S3D drafting inside its verify forward of (g + 1)(g + 2) rows.
 
     python -m benchmarks.research.forward_cost [--methods s3d,kangaroo] [--gammas 1,2,4,8] [--max-cache-len 2048] [--repeats 10]
-        [--paths kernel,xla]
+        [--paths kernel,xla] [--quant int8-all]
 
 On the CPU, `--paths` times the native decode matmul (`cpu_kernels`, packed weights) and XLA's dot in
 one process, each against its own T = 1.
@@ -49,6 +49,7 @@ def main():
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quant", choices=("none", "int8", "int8-all"), default="none", help="int8 weights, as --quant")
     p.add_argument("--methods", default=list(GOALS), type=method_list,
                    help=f"speculative methods whose steps are timed (default {','.join(GOALS)})")
     p.add_argument("--gammas", default=[1, 2, 4, 8], type=gamma_list,
@@ -69,7 +70,7 @@ def main():
     from s3djax.loading import load_model
     from s3djax.speculative.profile import forward_step, ms_per_step, step_times
 
-    loaded = load_model("smollm2-135m", dtype=args.dtype)
+    loaded = load_model("smollm2-135m", dtype=args.dtype, quantization=None if args.quant == "none" else args.quant)
     prompt = [(7 * i) % 1000 + 100 for i in range(args.context)]
     ms, steps, about = {}, {}, {}
     for path in args.paths:
@@ -91,7 +92,8 @@ def main():
                 if method != "ar":
                     steps[path, method, g] = step_times(built.decoder, built.params, state, repeats=args.repeats)
     first = args.paths[0]
-    lines = [f"# Forward cost over T new tokens, SmolLM2-135M-Instruct {args.dtype}", "",
+    weights = "" if args.quant == "none" else f", weights {args.quant}"
+    lines = [f"# Forward cost over T new tokens, SmolLM2-135M-Instruct {args.dtype}{weights}", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- cache length {args.max_cache_len}, {args.context} committed tokens; causal attention and the full "
              f"LM head over all T; each run {args.repeats} times in a fori_loop carrying the cache, fastest of 3",
