@@ -53,9 +53,10 @@ class Options:
                                    "long context, as llama.cpp's default f16 cache does; greedy speculative output "
                                    "stays ar's at the same --kv-dtype (default: the weights' --dtype)",
                                    choices=("float32", "bfloat16"))
-    pause: str | None = _option("s3d, self-spec and lookup: take the target's own step while the drafts a step is "
-                                "expected to accept do not pay for drafting, by step times measured once on this "
-                                "machine (default: configs/defaults.yaml; S3DJAX_TUNE=on, off or again overrides)",
+    pause: str | None = _option("every speculative method but s3d drafting in the verify pass: take the target's own "
+                                "step while the drafts a step is expected to accept do not pay for drafting, by step "
+                                "times measured once on this machine (default: configs/defaults.yaml; S3DJAX_TUNE=on, "
+                                "off or again overrides)",
                                 choices=("on", "off"))
     in_verify: str | None = _option("s3d on a chain: on drafts the next chain inside the verify pass, a draft block "
                                     "beside every drafted token, instead of in a draft step (default: "
