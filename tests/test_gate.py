@@ -148,7 +148,8 @@ def test_drafters_that_cannot_pause_draft_every_step():
     params = random_params(LLAMA, 0)
     in_verify = InVerifyS3DDrafter(LLAMA, PLAN, trees.TreeSpec.chain(2), 2)  # its chain comes from the last verify
     assert in_verify.pause is None and WithLookup(in_verify).pause is None
-    spec = Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), in_verify), (params, init_draft(params, LLAMA, PLAN)))
+    spec = Runner(SpecDecoder.create(ARDecoder(LLAMA, CACHE, eos_ids=()), in_verify),
+                  (params, init_draft(params, LLAMA, PLAN)))
     assert gate.tune(spec, lambda: [1, 2, 3], "s3d", choice="on") is None and not spec.overrides
 
 

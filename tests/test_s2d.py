@@ -1,6 +1,6 @@
 """S2D: greedy output equals each target's ar token for token, alone and giving way to prompt lookup, with int8
-copies of the draft's layers too, early exits, lookup's steps and paused steps keep the draft cache exact, SoFT's gradients reach
-every exit, and a tiny training run writes an artifact `--method s2d` loads."""
+copies of the draft's layers too, early exits, lookup's steps and paused steps keep the draft cache exact, SoFT's
+gradients reach every exit, and a tiny training run writes an artifact `--method s2d` loads."""
 
 import dataclasses
 import functools
@@ -234,13 +234,14 @@ def test_paused_steps_keep_the_draft_cache_a_full_depth_prefill():
     params, draft = case(LLAMA, "float")
     spec = dataclasses.replace(s2d_decoder(LLAMA, "chain"), gate=True)
     ar, g = ARDecoder(LLAMA, CACHE, eos_ids=()), spec.drafter.tree.depth
+    prefill = full_depth_prefill(spec.drafter)
     for prompt in PROMPTS[1:]:
         got, state = generate(spec, (params, draft), prompt, 40, breakeven=np.inf)
         assert got == generate(ar, params, prompt, 40)[0]
         assert int(state["paused"]) >= 15 and int(state["iteration"]) >= 3
         d, length = state["drafter"], int(state["length"][0])
         done = length - g - 1
-        ref = full_depth_prefill(spec.drafter)(params, draft, d["history"][:, :done + 1], state["cache"])
+        ref = prefill(params, draft, d["history"][:, :done + 1], state["cache"])
         for layer, want in zip(d["cache"], ref["cache"]):
             for name in ("k", "v"):
                 np.testing.assert_allclose(layer[name][:, :done + 1], want[name][:, :done + 1], atol=2e-5)
