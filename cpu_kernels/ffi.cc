@@ -145,13 +145,14 @@ Helpers& OwnHelpers() {
 // The blocking every product takes, set by s3d_cpu_set_blocking (Python sets it once, before the first product).
 struct SharedBlocking {
   std::atomic<int64_t> prefetch{s3d::Blocking{}.prefetch}, chunk_bytes{s3d::Blocking{}.chunk_bytes},
-      tile_rows{s3d::Blocking{}.tile_rows}, pair_dot{s3d::Blocking{}.pair_dot};
+      tile_rows{s3d::Blocking{}.tile_rows}, pair_dot{s3d::Blocking{}.pair_dot}, row_panels{s3d::Blocking{}.row_panels};
   s3d::Blocking Get() const {
     s3d::Blocking b;
     b.prefetch = prefetch.load(std::memory_order_relaxed);
     b.chunk_bytes = chunk_bytes.load(std::memory_order_relaxed);
     b.tile_rows = tile_rows.load(std::memory_order_relaxed);
     b.pair_dot = pair_dot.load(std::memory_order_relaxed);
+    b.row_panels = row_panels.load(std::memory_order_relaxed);
     return b;
   }
 };
@@ -347,25 +348,28 @@ extern "C" int s3d_cpu_pair_dot() {
 }
 
 // Sets the blocking of every later product; -1 where a value is out of range (nothing changes then).
-extern "C" int s3d_cpu_set_blocking(int64_t prefetch, int64_t chunk_bytes, int64_t tile_rows, int64_t pair_dot) {
+extern "C" int s3d_cpu_set_blocking(int64_t prefetch, int64_t chunk_bytes, int64_t tile_rows, int64_t pair_dot,
+                                    int64_t row_panels) {
   if (prefetch < 0 || prefetch > (1 << 20) || chunk_bytes < 64 || chunk_bytes > (1 << 22) || tile_rows < 1 ||
-      tile_rows > 1024 || pair_dot < 0 || pair_dot > 1)
+      tile_rows > 1024 || pair_dot < 0 || pair_dot > 1 || row_panels < 1 || row_panels > 2)
     return -1;
   SharedBlocking& b = CurrentBlocking();
   b.prefetch = prefetch;
   b.chunk_bytes = chunk_bytes;
   b.tile_rows = tile_rows;
   b.pair_dot = pair_dot;
+  b.row_panels = row_panels;
   return 0;
 }
 
-// The blocking products take now, as four values: prefetch bytes, chunk bytes, tile rows, pair_dot.
+// The blocking products take now, as five values: prefetch bytes, chunk bytes, tile rows, pair_dot, row_panels.
 extern "C" void s3d_cpu_blocking(int64_t* out) {
   s3d::Blocking b = CurrentBlocking().Get();
   out[0] = b.prefetch;
   out[1] = b.chunk_bytes;
   out[2] = b.tile_rows;
   out[3] = b.pair_dot;
+  out[4] = b.row_panels;
 }
 
 // Milliseconds for the fastest of `repeats` passes of M-row products over `bytes` of weights at `w`, read as packed

@@ -122,7 +122,7 @@ def _library():
 
 
 # How the kernel's loops are blocked (cpu_kernels/matmul.h's Blocking): none of it changes a result.
-BLOCKING = ("prefetch", "chunk_bytes", "tile_rows", "pair_dot")
+BLOCKING = ("prefetch", "chunk_bytes", "tile_rows", "pair_dot", "row_panels")
 
 
 def set_blocking(blocking: dict) -> None:

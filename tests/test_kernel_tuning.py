@@ -25,11 +25,11 @@ def cost_table(best: dict):
 
 def test_the_search_picks_the_fastest_blocking_of_a_cost_table():
     start = kernel_tuning.fallback()
-    for best in ({"prefetch": 2048, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 1},
-                 {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0}):
+    for best in ({"prefetch": 2048, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 1, "row_panels": 2},
+                 {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0, "row_panels": 1}):
         assert kernel_tuning.choose(cost_table(best), start) == best
     # Equal times: the first listed candidate of every stage.
-    first = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0}
+    first = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 0, "row_panels": 1}
     assert kernel_tuning.choose(lambda b, m, weights: 1.0, start) == first
     # Each stage times only its own rows and weights, with the earlier stages' choices held; the pair instruction's
     # stage only where the vector unit has one (else the start's setting stays).
@@ -38,7 +38,7 @@ def test_the_search_picks_the_fastest_blocking_of_a_cost_table():
     assert {m for m, *_ in seen} == {1, 5, 9, 17} and {p for m, p, *_ in seen if m in (9, 17)} == {0}
     assert {w for *_, w, dot in seen if dot} == {"bf16"} and {(m, w) for m, _, w, _ in seen if w == "bf16"} == \
         {(5, "bf16"), (17, "bf16")}
-    best = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 1}
+    best = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 1, "row_panels": 1}
     assert kernel_tuning.choose(cost_table(best), start, pair_dot=False)["pair_dot"] == start["pair_dot"] == 0
 
 
@@ -47,7 +47,8 @@ def tuner(tmp_path, monkeypatch):
     """A user's cache; measuring returns `chosen` and counts calls; the kernel's blocking is restored afterwards."""
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
     monkeypatch.setenv(defaults.ENV, "measure")
-    state = {"calls": 0, "chosen": {"prefetch": 4096, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 0}}
+    state = {"calls": 0, "chosen": {"prefetch": 4096, "chunk_bytes": 32 << 10, "tile_rows": 32, "pair_dot": 0,
+                                    "row_panels": 2}}
 
     def measure():
         state["calls"] += 1
