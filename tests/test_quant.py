@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpu_kernels import matmul as cm
 from s3djax import cache as kv
 from s3djax import model, quant, weights
 from s3djax.decode import ARDecoder, Runner
@@ -162,3 +163,23 @@ def test_the_gpu_layout_holds_the_same_model(config):
     # 1e-4 still tells a misapplied adapter, which moves the draft by more than 1e-3 (below).
     np.testing.assert_allclose(draft_hidden(laid, lora), plain, rtol=1e-4, atol=1e-4)
     assert np.abs(plain - draft_hidden(params, None)).max() > 1e-3  # the adapters change the draft here
+
+
+@pytest.mark.skipif(not cm.usable(), reason="the CPU matmul kernel does not run here")
+@pytest.mark.parametrize("mode", ["none", "int8"])
+def test_the_cpu_layout_joins_a_llamas_products_and_keeps_every_bit(mode, monkeypatch):
+    # pack_for_cpu joins q, k and v, and gate and up (one kernel call each instead of three and two). Each output column
+    # is still one fma chain over K, so the logits are those of the products apart, bit for bit. Widths of whole panels.
+    config = LLAMA.replace(hidden_size=64, head_dim=16, intermediate_size=128, cpu_kernel=True)
+    params = random_params(config, 4)
+    params = params if mode == "none" else quant.apply(params, mode, jnp.float32)
+    joined = quant.pack_for_cpu({**params, "again": params["layers_0"]})
+    again, layer = joined.pop("again"), joined["layers_0"]
+    assert set(layer["attn"]) == {"qkv", "o"} and set(layer["mlp"]) == {"gate_up", "down"}
+    assert isinstance(layer["attn"]["qkv"], quant.Packed) and layer["mlp"]["gate_up"].shape == (64, 256)
+    assert again["attn"]["qkv"] is layer["attn"]["qkv"]  # a layer met twice is joined and packed once
+    monkeypatch.setattr(quant, "_join_for_cpu", lambda ws: None)
+    apart = quant.pack_for_cpu(params)
+    assert set(apart["layers_0"]["attn"]) == {"q", "k", "v", "o"}
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, config.vocab_size)
+    assert (np.asarray(_forward_logits(joined, config, tokens)) == np.asarray(_forward_logits(apart, config, tokens))).all()
