@@ -24,8 +24,8 @@ from s3djax import defaults, device, user_cache
 TABLE = "kernel-blocking.json"
 # The search, in stages, each over every combination of its settings' candidates at the rows they matter for, on
 # fp32 or bfloat16 weights (the earlier stages' choices held): prefetching for a one-token step and a small verify,
-# with the panels a one-row tile takes (two keep twice the fma chains in flight, which paid a Zen 3's decode, and
-# split the columns into half as many tiles); then the K chunk (where a tile has several register blocks) with the rows a tile holds (where a product has more
+# with the panels a one-row tile takes (two keep twice the fma chains in flight but split the columns into half as
+# many tiles, docs/kernels.md#a-lone-row); then the K chunk (where a tile has several register blocks) with the rows a tile holds (where a product has more
 # rows than 16), which interact: a tile of 17 rows passes over each chunk three times; then, where the vector unit
 # multiplies bfloat16 pairs (`matmul.pair_dot()`), whether its pair instruction beats widening each pair (on the
 # Intel Xeon of issue 68 it is slower, docs/kernels.md#bfloat16-pairs).

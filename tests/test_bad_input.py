@@ -124,6 +124,19 @@ def test_forward_cost_refuses_what_it_does_not_time(flags, message, monkeypatch,
     assert message in refused(lambda _: forward_cost.main(), None, capsys)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--prompts", "0"], "argument --prompts: invalid value 0"),
+    (["--methods", "ar,fast"], "argument --methods: invalid value ar,fast"),
+])
+def test_layout_ab_refuses_bad_flags_before_loading(flags, message, monkeypatch, capsys):
+    import sys
+
+    from benchmarks.research import layout_ab
+
+    monkeypatch.setattr(sys, "argv", ["layout_ab", *flags])
+    assert message in refused(lambda _: layout_ab.main(), None, capsys)
+
+
 def test_quantize_refuses_an_output_it_cannot_create(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert "cannot create --out" in refused(quantize.main, ["--out", str(tmp_path / "file" / "int8")], capsys)
