@@ -1,6 +1,7 @@
-"""The CPU matmul's blocking (how far ahead it prefetches, its K chunk, the rows a tile holds), chosen on the machine
-at hand: the blocking picked by hand on a Zen 4 left multi-row products on an Intel Xeon far slower than that CPU's
-own (docs/kernels.md#blocking). No blocking changes a result (each output element is one fma chain over K).
+"""The CPU matmul's blocking (how far ahead it prefetches, its K chunk, the rows a tile holds, a lone row's panels),
+chosen on the machine at hand: the blocking picked by hand on a Zen 4 left multi-row products on an Intel Xeon far
+slower than that CPU's own (docs/kernels.md#blocking). No blocking changes a result (each output element is one fma
+chain over K).
 
 The first time the kernel runs on a machine it times a few blockings on products the size of SmolLM2's layers over
 weights larger than the last-level cache (a second or two; one line says so), and caches the choice in the user's
