@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cpu_kernels import matmul as cm
 from s3djax import cache as kv
 from s3djax.config import ModelConfig
 from s3djax.decode import ARDecoder, Runner
@@ -340,20 +341,22 @@ def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smo
     from s3djax import methods, quant
 
     int8 = lambda tree: [quant.is_int8(w) for w in jax.tree.leaves(tree, is_leaf=quant.is_weight) if quant.is_weight(w)]
+    # Linears a sub-layer holds: on the CPU kernel q/k/v and gate/up are joined (quant.pack_for_cpu), else apart.
+    attn, mlp = (2, 2) if cm.usable() else (4, 3)
     for method in ("s3d", "self-spec", "kangaroo", "s2d"):
         built = methods.build(method, smollm2, max_cache_len=128)
         target, draft = built.params
         assert "draft weights int8" in built.draft and quant.mode_of(target) == "none" and all(int8(draft["head"]))
         if method == "kangaroo":  # its layers are the target's own; its adapter is its own
-            assert "weights" not in draft and int8(draft["attn"]) == [True] * 4
+            assert "weights" not in draft and int8(draft["attn"]) == [True] * attn
         elif method == "s2d":  # its base layers, under its own adapters
-            assert sorted(map(int, draft["weights"])) == list(range(8)) and int8(draft["weights"]) == [True] * 8 * 7
+            assert sorted(map(int, draft["weights"])) == list(range(8)) and int8(draft["weights"]) == [True] * 8 * (attn + mlp)
         else:
             plan = built.decoder.drafter.plan
-            # Only the sub-layers the plan runs: 4 attention and 3 MLP linears each.
+            # Only the sub-layers the plan runs, each with its linears.
             runs = {i: ("attn",) * plan.attn[i] + ("mlp",) * plan.mlp[i] for i in range(30)}
             assert {int(i): tuple(layer) for i, layer in draft["weights"].items()} == {i: r for i, r in runs.items() if r}
-            assert int8(draft["weights"]) == [True] * sum(4 * plan.attn[i] + 3 * plan.mlp[i] for i in range(30))
+            assert int8(draft["weights"]) == [True] * sum(attn * plan.attn[i] + mlp * plan.mlp[i] for i in range(30))
         none = methods.build(method, smollm2, max_cache_len=128, draft_weights="none")
         assert not any(int8(none.params[1])) and "draft weights" not in none.draft
 
@@ -425,9 +428,17 @@ def test_a_full_mode_draft_replaces_the_verifying_layers(smollm2, tmp_path):
     def same(a, b):
         return [id(x) for x in jax.tree.leaves(a)] == [id(x) for x in jax.tree.leaves(b)]
 
-    assert (quant.dequantize(params["layers_0"]["attn"]["q"]) == tuned).all()
-    assert same(params["layers_1"], target["layers_1"]) and same(params["layers_0"]["attn"]["k"],
-                                                                 target["layers_0"]["attn"]["k"])
+    def columns(layer, lo, hi):  # columns [lo, hi) of q/k/v, joined on the CPU kernel (quant.pack_for_cpu) or apart
+        attn = layer["attn"]
+        if "qkv" not in attn:
+            return quant.dequantize(jnp.concatenate([attn[n] for n in ("q", "k", "v")], axis=1))[:, lo:hi]
+        qkv = attn["qkv"].unpacked() if isinstance(attn["qkv"], quant.Packed) else attn["qkv"]
+        return quant.dequantize(qkv)[:, lo:hi]
+
+    q, k = tuned.shape[1], smollm2.params["layers_0"]["attn"]["k"].shape[1]
+    assert (columns(params["layers_0"], 0, q) == tuned).all()
+    assert same(params["layers_1"], target["layers_1"])
+    assert (columns(params["layers_0"], q, q + k) == columns(target["layers_0"], q, q + k)).all()
 
 
 def test_the_shipped_draft_is_the_default_and_beats_the_untrained_one(smollm2):
