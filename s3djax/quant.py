@@ -352,19 +352,28 @@ def pack_for_cpu(params):
                 isinstance(w, Int8Weight) and (w.axis, w.kernel) != (0 if table else 1, "xla")):
             return w
         pairs = matmul.packs_pairs(values.dtype, values.shape[1 if table else 0])
-        if isinstance(values, jax.core.Tracer):
-            return Packed(_pack(values, panel, table, pairs), scale, dtype, panel, table, pairs)
-        hit = _PACKED.get(id(values))
-        if hit is None or hit[0]() is not values:
-            hit = (weakref.ref(values), Packed(_pack(values, panel, table, pairs), scale, dtype, panel, table, pairs))
-            _PACKED[id(values)] = hit
-            weakref.finalize(values, _PACKED.pop, id(values), None)
-        return hit[1]
+        return _made_once("packed", [values], lambda: Packed(_pack(values, panel, table, pairs), scale, dtype, panel,
+                                                             table, pairs))
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
 
 
-_PACKED: dict[int, tuple] = {}
+_MADE: dict[tuple, tuple] = {}
+
+
+def _made_once(kind: str, sources: list, make):
+    """make(), kept while every array of `sources` lives and given again for the same arrays (a weight is packed or
+    joined once, however many models hold it); made anew under a trace."""
+    if any(isinstance(s, jax.core.Tracer) for s in sources):
+        return make()
+    key = (kind, *map(id, sources))
+    hit = _MADE.get(key)
+    if hit is None or any(ref() is not s for ref, s in zip(hit[0], sources)):
+        hit = ([weakref.ref(s) for s in sources], make())
+        _MADE[key] = hit
+        for s in sources:
+            weakref.finalize(s, _MADE.pop, key, None)
+    return hit[1]
 
 
 # A Llama layer's products that read one input, joined on a GPU as Phi-3 ships them: one product reads the norm's
@@ -416,14 +425,11 @@ def _joined(tree: dict, join) -> dict:
     return tree
 
 
-_JOINED_CPU: dict[tuple, tuple] = {}
-
-
 def _join_for_cpu(ws):
     """Linears [in, out] that read one input, as one [in, sum of outs]: float ones of one dtype, or int8 ones (XLA's,
     scales per column) of one activation dtype; else None. Made once while its parts live."""
     if all(map(_plain, ws)) and len({w.dtype for w in ws}) == 1:
-        values, scales = [w for w in ws], None
+        values, scales = list(ws), None
     elif all(isinstance(w, Int8Weight) and (w.axis, w.kernel, w.dtype) == (1, "xla", ws[0].dtype) for w in ws):
         values, scales = [w.values for w in ws], [w.scale for w in ws]
     else:
@@ -432,16 +438,7 @@ def _join_for_cpu(ws):
     def join():
         v = jnp.concatenate(values, axis=1)
         return v if scales is None else Int8Weight(v, jnp.concatenate(scales), 1, ws[0].dtype)
-    if any(isinstance(v, jax.core.Tracer) for v in values):
-        return join()
-    key = tuple(map(id, values))
-    hit = _JOINED_CPU.get(key)
-    if hit is None or any(ref() is not v for ref, v in zip(hit[0], values)):
-        hit = ([weakref.ref(v) for v in values], join())
-        _JOINED_CPU[key] = hit
-        for v in values:
-            weakref.finalize(v, _JOINED_CPU.pop, key, None)
-    return hit[1]
+    return _made_once("joined", values, join)
 
 
 @jax.jit
