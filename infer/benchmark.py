@@ -27,6 +27,7 @@ from s3djax.methods import METHODS
 from s3djax.options import variant, variants
 from s3djax.sampling import GREEDY
 
+GREEDY_METHODS = tuple(f"{m}-greedy" for m in METHODS)
 DEFAULT_METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup,hf-ar,hf-early-exit,hf-prompt-lookup"
 
 
@@ -36,8 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated: ar (the baseline, always run), s3d, self-spec, kangaroo, s2d, lookup; ar-xla (ar with "
-                   "XLA's dot instead of the CPU matmul kernel); ar-greedy (ar decoding greedily whatever the sampling flags, "
-                   "what sampling costs); the Hugging Face peers hf-ar, hf-early-exit, "
+                   "XLA's dot instead of the CPU matmul kernel); METHOD-greedy, such as ar-greedy or s3d-greedy (the method "
+                   "decoding greedily whatever the sampling flags: what sampling costs it); the Hugging Face peers hf-ar, hf-early-exit, "
                    "hf-prompt-lookup (skipped with a note where torch is missing); and the llama.cpp peers "
                    "llamacpp-gguf, llamacpp-f32, llamacpp-q8_0 on the model's GGUF (skipped where llama-cpp-python is); "
                    "one of ours with options set, METHOD@FLAG=V+FLAG=V, each V may be a|b|c (every combination runs): "
@@ -276,9 +277,9 @@ def build_methods(args, gen, prompts_for_tuning, notes):
     for name in args.methods:
         if variant(name)[0] in METHODS:
             built[name] = JaxMethod(name, gen, args)
-        elif name == "ar-greedy":
-            built[name] = JaxMethod("ar", gen, args, greedy=True)
-            built[name].about = "ar decoding greedily, whatever the sampling flags"
+        elif name in GREEDY_METHODS:
+            built[name] = JaxMethod(name.removesuffix("-greedy"), gen, args, greedy=True)
+            built[name].about = f"{name.removesuffix('-greedy')} decoding greedily, whatever the sampling flags"
         elif name == "ar-xla":  # the same weights, unpacked, every product through XLA's dot
             xla = Generator.from_model(dataclasses.replace(m, config=m.config.replace(cpu_kernel=False)),
                                        dtype=args.dtype, max_cache_len=args.max_cache_len)
@@ -344,7 +345,7 @@ def main(argv=None):
     from s3djax.errors import UserError
     from s3djax.generator import Generator
 
-    known = METHODS + ("ar-xla", "ar-greedy") + peers.PEERS + llamacpp.PEERS
+    known = METHODS + ("ar-xla",) + GREEDY_METHODS + peers.PEERS + llamacpp.PEERS
     unknown = [name for name in args.methods if variant(name)[0] not in known]
     if unknown:
         raise UserError(f"unknown method {unknown[0]!r}; choose from {', '.join(known)}")

@@ -92,15 +92,17 @@ def test_a_chain_simulated_from_teacher_forced_correctness_steps_as_verification
 
 
 def test_a_sampled_batched_run_on_smollm2(tmp_path):
-    # ar decodes each batch of 2 as one; ar-greedy beside it gives what sampling costs; lookup runs prompt by prompt.
+    # ar decodes each batch of 2 as one; ar-greedy beside it gives what sampling costs; lookup runs prompt by prompt,
+    # and lookup-greedy, what sampling costs it, gives greedy ar's tokens.
     import json
 
-    benchmark.main(["--methods", "ar,ar-greedy,lookup", "--dataset", "mt-bench", "--limit", "3", "--max-new-tokens",
+    benchmark.main(["--methods", "ar,ar-greedy,lookup,lookup-greedy", "--dataset", "mt-bench", "--limit", "3", "--max-new-tokens",
                     "12", "--max-cache-len", "512", "--batch", "2", "--temperature", "0.7", "--top-p", "0.9",
                     "--seed", "3", "--out", str(tmp_path)])
     record = json.loads((tmp_path / "results.json").read_text())
     summary, runs = record["summary"]["mt-bench"], record["runs"]["mt-bench"]
-    assert set(summary) == {"ar", "ar-greedy", "lookup"} and all(s["prompts"] == 3 for s in summary.values())
+    assert set(summary) == {"ar", "ar-greedy", "lookup", "lookup-greedy"} and all(s["prompts"] == 3 for s in summary.values())
+    assert [r["tokens"] for r in runs["lookup-greedy"]] == [r["tokens"] for r in runs["ar-greedy"]]
     assert summary["lookup"]["identical"] is None and 0.0 <= summary["lookup"]["paused"] <= 1.0
     # the first batch's two ar rows share its decode time equally; the third prompt ran alone
     assert runs["ar"][0]["decode_s"] == runs["ar"][1]["decode_s"] != runs["ar"][2]["decode_s"]
