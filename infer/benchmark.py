@@ -278,8 +278,9 @@ def build_methods(args, gen, prompts_for_tuning, notes):
         if variant(name)[0] in METHODS:
             built[name] = JaxMethod(name, gen, args)
         elif name in GREEDY_METHODS:
-            built[name] = JaxMethod(name.removesuffix("-greedy"), gen, args, greedy=True)
-            built[name].about = f"{name.removesuffix('-greedy')} decoding greedily, whatever the sampling flags"
+            method = name.removesuffix("-greedy")
+            built[name] = JaxMethod(method, gen, args, greedy=True)
+            built[name].about = f"{method} decoding greedily, whatever the sampling flags"
         elif name == "ar-xla":  # the same weights, unpacked, every product through XLA's dot
             xla = Generator.from_model(dataclasses.replace(m, config=m.config.replace(cpu_kernel=False)),
                                        dtype=args.dtype, max_cache_len=args.max_cache_len)

@@ -430,10 +430,8 @@ def test_a_full_mode_draft_replaces_the_verifying_layers(smollm2, tmp_path):
 
     def columns(layer, lo, hi):  # columns [lo, hi) of q/k/v, joined on the CPU kernel (quant.pack_for_cpu) or apart
         attn = layer["attn"]
-        if "qkv" not in attn:
-            return quant.dequantize(jnp.concatenate([attn[n] for n in ("q", "k", "v")], axis=1))[:, lo:hi]
-        qkv = attn["qkv"].unpacked() if isinstance(attn["qkv"], quant.Packed) else attn["qkv"]
-        return quant.dequantize(qkv)[:, lo:hi]
+        parts = [attn["qkv"]] if "qkv" in attn else [attn[n] for n in ("q", "k", "v")]
+        return jnp.concatenate([quant.dequantize(w) for w in parts], axis=1)[:, lo:hi]
 
     q, k = tuned.shape[1], smollm2.params["layers_0"]["attn"]["k"].shape[1]
     assert (columns(params["layers_0"], 0, q) == tuned).all()
