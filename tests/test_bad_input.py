@@ -124,17 +124,20 @@ def test_forward_cost_refuses_what_it_does_not_time(flags, message, monkeypatch,
     assert message in refused(lambda _: forward_cost.main(), None, capsys)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--prompts", "0"], "argument --prompts: invalid value 0"),
-    (["--methods", "ar,fast"], "argument --methods: invalid value ar,fast"),
+@pytest.mark.parametrize("module, flags, message", [
+    ("layout_ab", ["--prompts", "0"], "argument --prompts: invalid value 0"),
+    ("layout_ab", ["--methods", "ar,fast"], "argument --methods: invalid value ar,fast"),
+    ("fold_ab", ["--prompts", "0"], "argument --prompts: invalid value 0"),
+    ("fold_ab", ["--datasets", "mt-bench,nope"], "argument --datasets: invalid value mt-bench,nope"),
+    ("fold_ab", ["--temperature", "-1"], "--temperature must be >= 0, got -1.0"),
 ])
-def test_layout_ab_refuses_bad_flags_before_loading(flags, message, monkeypatch, capsys):
+def test_in_process_ab_benchmarks_refuse_bad_flags_before_loading(module, flags, message, monkeypatch, capsys):
+    import importlib
     import sys
 
-    from benchmarks.research import layout_ab
-
-    monkeypatch.setattr(sys, "argv", ["layout_ab", *flags])
-    assert message in refused(lambda _: layout_ab.main(), None, capsys)
+    main = importlib.import_module(f"benchmarks.research.{module}").main
+    monkeypatch.setattr(sys, "argv", [module, *flags])
+    assert message in refused(lambda _: main(), None, capsys)
 
 
 def test_quantize_refuses_an_output_it_cannot_create(tmp_path, capsys):

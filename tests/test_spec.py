@@ -337,6 +337,39 @@ def test_an_int8_draft_reads_int8_copies_of_its_layers_and_stays_lossless():
         assert spec.generate(prompt, 40).tokens == ar_runner(LLAMA, params).generate(prompt, 40).tokens
 
 
+def test_an_int8_draft_folds_its_adapters_into_its_copies_and_stays_lossless():
+    from s3djax import quant
+    from s3djax.speculative import draft_weights
+
+    params, plan = random_params(LLAMA, 0), SkipPlan.parse("1", LLAMA.num_layers)
+    draft = perturbed_draft(params, LLAMA, plan, 5)
+    folded = draft_weights.attach(draft, params, "int8", jnp.float32, plan=plan, fold=True)
+    assert "lora" not in folded and "lora" in draft_weights.attach(draft, params, "int8", jnp.float32, plan=plan)
+    # An int8 target's copies are its own arrays: nothing to fold into, so the adapters stay.
+    assert "lora" in draft_weights.attach(draft, quant.apply(params, "int8", jnp.float32), "int8", jnp.float32,
+                                          plan=plan, fold=True)
+    ar = ARDecoder(LLAMA, CACHE, eos_ids=())
+    state = ar.start(params, jnp.asarray([list(range(40, 55))]), jnp.asarray([15]), jax.random.key(0))
+    drafter = S3DDrafter(LLAMA, plan, TreeSpec.chain(3), 3)
+    logits = lambda p, d: drafter.block_logits(p, d, state["cache"], state["length"], state["last"])[0]
+    # The draft reads int8 of W + A B and no adapter: the logits of a float draft over those weights dequantized...
+    got = logits(params, folded)
+    rounded = draft_weights.of(params, quant.dequantize_tree(folded))
+    np.testing.assert_allclose(got, logits(rounded, folded), rtol=1e-5, atol=1e-5)
+    layer = draft_weights.folded({"layers_0": {"attn": {"q": params["layers_0"]["attn"]["q"]}}}, draft["lora"])
+    a, b = draft["lora"][0]["q"]["a"], draft["lora"][0]["q"]["b"]
+    np.testing.assert_allclose(layer["layers_0"]["attn"]["q"], params["layers_0"]["attn"]["q"] + a @ b, rtol=1e-6,
+                               atol=1e-6)
+    # ...which draft as the float adapters do, as near as int8 copies with their adapters apart, far nearer than none.
+    apart, apart8 = logits(params, draft), logits(params, draft_weights.attach(draft, params, "int8", jnp.float32,
+                                                                               plan=plan))
+    bare = logits(params, {k: v for k, v in draft.items() if k != "lora"})
+    assert np.abs(got - apart).max() < 1.5 * np.abs(apart8 - apart).max() < 0.1 * np.abs(bare - apart).max()
+    for prompt in ([5], list(range(40, 55))):
+        spec = spec_runner(LLAMA, params, folded, plan, TreeSpec.chain(3), 3)
+        assert spec.generate(prompt, 40).tokens == ar_runner(LLAMA, params).generate(prompt, 40).tokens
+
+
 def test_the_cpu_drafts_with_int8_weights_and_verifies_with_the_float_target(smollm2):
     from s3djax import methods, quant
 

@@ -5,8 +5,10 @@ that differ from the target's and the output stays exactly the target's. On a me
 step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip draft (S3D, Self-Spec)
 gets int8 copies of the sub-layers its plan runs, as "weights": {i: {"attn" and/or "mlp": layer i's
 linears in int8}}, the rest of the layer (its norms) read from the target's own arrays; verification
-rewrites every cache slot it wrote. A draft vocabulary's "head" and a Kangaroo adapter's own attention
-("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
+rewrites every cache slot it wrote. S3D's LoRA adapters are folded into those copies before they are quantized
+(int8 of W + A B, `folded`) where every one sits on a float weight of its own: a step then runs no adapter, where
+each was two products (docs/methods.md#int8-draft-weights). A draft vocabulary's "head" and a Kangaroo adapter's
+own attention ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
 draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), under its
 own adapters and in its own cache, which it recomputes itself; under a changed target the float base layers it
 carries keep only their norms.
@@ -33,10 +35,11 @@ def check_mode(mode: str) -> None:
 
 
 def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan | None = None,
-           own: tuple[str, ...] = ()) -> dict:
+           own: tuple[str, ...] = (), fold: bool = False) -> dict:
     """The draft with int8 copies of the weights it reads (`mode` "int8"; None: the platform's default), else
     unchanged: the sub-layers `plan` runs apart from verification, a draft vocabulary's head rows, and the
-    draft's `own` subtrees of linears (a Kangaroo adapter's "attn")."""
+    draft's `own` subtrees of linears (a Kangaroo adapter's "attn"). `fold`: the draft's adapters go into the
+    copies where they can (`folded`), and the draft keeps none."""
     mode = default_mode() if mode is None else mode
     check_mode(mode)
     if mode == "none":
@@ -45,14 +48,44 @@ def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan
     if plan is not None:
         runs = {i: [part for part, on in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])) if on]
                 for i in range(plan.num_layers)}
-        layers = quant.apply({layer_key(i): {part: params[layer_key(i)][part] for part in parts}
-                              for i, parts in runs.items() if parts}, "int8", dtype)
+        layers = {layer_key(i): {part: params[layer_key(i)][part] for part in parts} for i, parts in runs.items() if parts}
+        merged = folded(layers, draft.get("lora")) if fold else None
+        if merged is not None:
+            layers, out = merged, {k: v for k, v in out.items() if k != "lora"}
+        layers = quant.apply(layers, "int8", dtype)
         out["weights"] = {str(i): layers[layer_key(i)] for i, parts in runs.items() if parts}
         if "layers" in draft:  # S2D's own float layers (under a changed target): the copies replace their linears
             out["layers"] = [{k: v for k, v in layer.items() if k not in out["weights"].get(str(i), {})}
                              for i, layer in enumerate(draft["layers"])]
     if "head" in draft:
         out["head"] = quant.table(draft["head"], "int8-all", dtype)
+    return out
+
+
+def folded(layers: dict, lora: list | None) -> dict | None:
+    """`layers` ({layer key: {sub-layer: {name: W}}}, the sub-layers a draft runs) with every adapter of `lora` (a
+    per-layer list of {name: {"a", "b"}}) on them folded in as W + A B, in fp32 and back to W's dtype; None where
+    there is no adapter or one cannot be folded: on a weight that is not a float array (an int8 target's own
+    copies), or on a name the layer holds joined (Phi-3's qkv). An adapter on a sub-layer the draft skips is never
+    read."""
+    if not lora:
+        return None
+    out = {}
+    for key, parts in layers.items():
+        adapters = lora[int(key.rsplit("_", 1)[1])] or {}
+        out[key] = {part: dict(weights) for part, weights in parts.items()}
+        for name, ab in adapters.items():
+            holder = [weights for weights in out[key].values() if name in weights]
+            if not holder and any(name in quant.JOINED.get(joined, ()) for weights in out[key].values()
+                                  for joined in weights):
+                return None
+            if not holder:
+                continue  # a sub-layer the plan skips
+            w = holder[0][name]
+            if quant.is_weight(w) or not jnp.issubdtype(w.dtype, jnp.floating):
+                return None
+            holder[0][name] = (w.astype(jnp.float32) + ab["a"].astype(jnp.float32) @ ab["b"].astype(jnp.float32)
+                               ).astype(w.dtype)
     return out
 
 

@@ -200,10 +200,11 @@ def build(m, ar, opts, dtype: str, measure: bool):
         params = finetuned_target(m, draft.pop("layers"), dtype)
         warnings.append(f"{path} was trained in full mode: the verifying model is its fine-tuned "
                         "target, not the original weights")
-    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, opts.draft_weights, DTYPES[dtype],
-                                 plan=plan)
     if in_verify and opts.tree not in (None, "chain"):
         raise UserError(f"--in-verify drafts a chain, so s3d's tree must be the chain, not {opts.tree}")
+    # Drafting inside the verify pass reads the target's weights and the adapters on its draft rows: nothing to fold.
+    draft = draft_weights.attach(draft_vocab.attach(draft, meta, params), params, opts.draft_weights, DTYPES[dtype],
+                                 plan=plan, fold=not in_verify)
     kind = InVerifyS3DDrafter if in_verify else S3DDrafter
     drafter = kind(m.config, plan, trees.resolve(opts.tree, gamma), gamma)
     if "correction" in draft and drafter.tree.dynamic:  # the correction conditions a fixed shape's children
