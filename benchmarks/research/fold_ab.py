@@ -5,11 +5,13 @@ is worth to a decode on the machine at hand, greedy and sampled, with no process
 
 `ar`, s3d folded and s3d apart (`draft_weights.attach(fold=False)`, as before the fold) run each prompt in turn, at
 the default flags. Reported per dataset: pooled tokens/s, against `ar`, tau, milliseconds per verify step and, greedy,
-whether every output is `ar`'s.
+whether every output is `ar`'s; greedy, also each s3d's draft and verify steps timed apart (`step_times`, after the
+first MT-Bench prompt).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 from benchmarks import report
@@ -35,6 +37,7 @@ def main():
     from s3djax.loading import load_model
     from s3djax.sampling import Sampling
     from s3djax.speculative import draft_weights
+    from s3djax.speculative.profile import step_times
 
     sampling = Sampling(args.temperature, top_p=args.top_p)
     m = load_model("smollm2-135m", progress=False)
@@ -71,6 +74,14 @@ def main():
             same = "yes" if outs == pooled["ar"][3] else "no" if sampling.greedy else "sampled"
             lines.append(f"| {dataset} | {name} | {new / secs:.1f} | {new / secs / ar_rate:.3f}x | {new / steps:.2f} "
                          f"| {secs / steps * 1e3:.1f} | {same} |")
+    if sampling.greedy:  # a sampled draft step draws with the loop's keys
+        ids = bench_data.prompts("mt-bench", m.tokenizer, 1)[0]["ids"]
+        lines += ["", "| decoder | `ar` step ms | draft step ms | verify step ms |", "| --- | --- | --- | --- |"]
+        for name, r in runners.items():
+            if name != "ar":  # the model's own draft, not lookup's where it gives way
+                decoder = dataclasses.replace(r.decoder, drafter=getattr(r.decoder.drafter, "inner", r.decoder.drafter))
+                ms = step_times(decoder, r.params, Runner(decoder, r.params).prefill(ids), repeats=20)
+                lines.append(f"| {name} | {ms['ar_step_ms']:.1f} | {ms['draft_step_ms']:.1f} | {ms['verify_step_ms']:.1f} |")
     report.write(args.out, "fold_ab", "\n".join(lines))
 
 
