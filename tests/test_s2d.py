@@ -76,9 +76,9 @@ def case(config, target: str):
     if target == "int8":
         return quant.apply(original, "int8", jnp.float32), draft  # the draft runs on the int8 layers too
     draft["layers"] = model.layers_of(original)[:EXITS[-1]]
-    if target == "int8-draft":  # int8 copies of the base layers under the adapters; the target stays float
+    if target in ("int8-draft", "int8-folded"):  # int8 copies of the base layers (the adapters folded in); float target
         n = config.num_layers
-        return original, draft_weights.attach(draft, original, "int8", jnp.float32,
+        return original, draft_weights.attach(draft, original, "int8", jnp.float32, fold=target == "int8-folded",
                                               plan=SkipPlan.skipping_layers(n, range(EXITS[-1], n)))
     if target == "vocab":  # a draft vocabulary of the even tokens: the odd ones are never drafted
         return original, draft_vocab.attach(draft, {"vocab": list(range(0, config.vocab_size, 2))}, original)
@@ -141,7 +141,7 @@ def test_the_nested_forward_stops_where_first_exit_says():
 
 
 CASES = [(LLAMA, "chain", "float"), (LLAMA, "chain", "other-layers"), (PHI3, "top2", "int8"), (LLAMA, "top2", "vocab"),
-         (PHI3, "chain", "int8-draft")]
+         (PHI3, "chain", "int8-draft"), (LLAMA, "chain", "int8-folded")]
 
 
 @pytest.mark.parametrize("config, tree, target", CASES, ids=[f"{c.arch}-{t}-{k}" for c, t, k in CASES])
@@ -176,6 +176,16 @@ def test_an_int8_draft_reads_int8_copies_of_its_base_layers():
     np.testing.assert_allclose(got, hidden(draft_weights.of(params, quant.dequantize_tree(draft8)), without_layers),
                                rtol=1e-5, atol=1e-5)
     assert not np.allclose(got, hidden(params, draft), rtol=1e-5, atol=1e-5)
+    # Folded, the copies are int8 of W + A B and the draft runs no adapter: the float draft over those, dequantized.
+    folded = case(LLAMA, "int8-folded")[1]
+    assert "lora" not in folded and "lora" not in case(PHI3, "int8-folded")[1]  # Phi-3's adapters are on its qkv too
+    # A Llama's q/k/v joined (as for a GPU) under adapters on each of them: nothing folds.
+    joined = {"layers_0": {"attn": {"qkv": jnp.ones((4, 12))}}}
+    assert draft_weights.folded(joined, [{"q": {"a": jnp.ones((4, 1)), "b": jnp.ones((1, 4))}}]) is None
+    np.testing.assert_allclose(hidden(params, folded), hidden(draft_weights.of(params, quant.dequantize_tree(folded)),
+                                                              {k: v for k, v in without_layers.items() if k != "lora"}),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(hidden(params, folded) - hidden(params, draft)).max() < 1.5 * np.abs(got - hidden(params, draft)).max()
 
 
 @pytest.mark.parametrize("switch", [1, 2, 0], ids=["lookup-1", "lookup-2", "alone"])
@@ -326,7 +336,11 @@ def test_a_tiny_soft_run_writes_a_draft_that_build_s2d_loads(data, tmp_path):
     built = build_s2d(m, ar, Options(draft_path=result["path"], max_draft=3), "float32", True)
     params, draft = built.params
     assert params is m.params and "layers" not in draft and built.warnings == []
-    assert len(draft["lora"]) == 2 and draft["thresholds"].tolist() == [pytest.approx(0.7)]
+    # On a CPU the draft reads int8 copies of its 2 layers, its adapters folded in; reading the target's, it keeps them.
+    assert "lora" not in draft and sorted(draft["weights"]) == ["0", "1"]
+    assert len(build_s2d(m, ar, Options(draft_path=result["path"], draft_weights="none"), "float32", True
+                         ).params[1]["lora"]) == 2
+    assert draft["thresholds"].tolist() == [pytest.approx(0.7)]
     assert built.decoder.drafter.exits == (1, 2) and "swept for float32" in built.draft
     assert "extra draft memory 0.0 MiB" in built.draft  # adapters only: a few KiB
     overridden = build_s2d(m, ar, Options(draft_path=result["path"], thresholds="0.2,0"), "float32", True)

@@ -1,11 +1,12 @@
-"""S3D's draft with its LoRA adapters folded into its int8 copies against kept apart, in one process: what the fold
-is worth to a decode on the machine at hand, greedy and sampled, with no process-to-process drift.
+"""A draft's LoRA adapters folded into its int8 copies against kept apart (S3D's, S2D's), in one process: what the
+fold is worth to a decode on the machine at hand, greedy and sampled, with no process-to-process drift.
 
-    python -m benchmarks.research.fold_ab [--datasets mt-bench,humaneval] [--prompts 10] [--temperature 0.7 --top-p 0.9]
+    python -m benchmarks.research.fold_ab [--method s3d] [--datasets mt-bench,humaneval] [--prompts 10]
+        [--temperature 0.7 --top-p 0.9]
 
-`ar`, s3d folded and s3d apart (`draft_weights.attach(fold=False)`, as before the fold) run each prompt in turn, at
-the default flags. Reported per dataset: pooled tokens/s, against `ar`, tau, milliseconds per verify step and, greedy,
-whether every output is `ar`'s; greedy, also each s3d's draft and verify steps timed apart (`step_times`, after the
+`ar`, the method folded and the method apart (`draft_weights.attach(fold=False)`, as before the fold) run each prompt
+in turn, at the default flags. Reported per dataset: pooled tokens/s, against `ar`, tau, milliseconds per verify step and, greedy,
+whether every output is `ar`'s; greedy, also each one's draft and verify steps timed apart (`step_times`, after the
 first MT-Bench prompt).
 """
 
@@ -20,6 +21,7 @@ from s3djax.cli import Parser, run
 
 def main():
     p = Parser(prog="python -m benchmarks.research.fold_ab", description=__doc__.splitlines()[0])
+    p.add_argument("--method", choices=("s3d", "s2d"), default="s3d")
     p.add_argument("--datasets", default="mt-bench,humaneval")
     p.add_argument("--prompts", type=int, default=10, help="the first prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -42,16 +44,18 @@ def main():
     sampling = Sampling(args.temperature, top_p=args.top_p)
     m = load_model("smollm2-135m", progress=False)
     attach, runners = draft_weights.attach, {}
-    for name, method, fold in (("ar", "ar", True), ("s3d folded", "s3d", True), ("s3d apart", "s3d", False)):
+    variants = (("ar", "ar", True), (f"{args.method} folded", args.method, True),
+                (f"{args.method} apart", args.method, False))
+    for name, method, fold in variants:
         draft_weights.attach = lambda *a, keep=fold, **k: attach(*a, **{**k, "fold": keep and k.get("fold", False)})
         try:
             built = methods.build(method, m, max_cache_len=1024, sampling=sampling, measure=False)
         finally:
             draft_weights.attach = attach
-        if method == "s3d" and ("lora" in built.params[1]) == fold:
+        if method != "ar" and ("lora" in built.params[1]) == fold:
             raise RuntimeError(f"{name}: the draft's adapters were {'not ' if fold else ''}folded")
         runners[name] = Runner(built.decoder, built.params)
-    lines = [f"# S3D's adapters folded into its int8 draft copies against apart, SmolLM2-135M-Instruct float32", "",
+    lines = [f"# {args.method}'s adapters folded into its int8 draft copies against apart, SmolLM2-135M-Instruct float32", "",
              f"- device: {device.describe()}", f"- date: {datetime.date.today().isoformat()}",
              f"- temperature {args.temperature}, top-p {args.top_p}; each dataset's first {args.prompts} prompts, "
              f"{args.max_new_tokens} new tokens at most, seed = the prompt's index; one process, the three in turn on "

@@ -5,12 +5,12 @@ that differ from the target's and the output stays exactly the target's. On a me
 step costs the bytes it reads, and int8 reads a quarter of fp32's. A layer-skip draft (S3D, Self-Spec)
 gets int8 copies of the sub-layers its plan runs, as "weights": {i: {"attn" and/or "mlp": layer i's
 linears in int8}}, the rest of the layer (its norms) read from the target's own arrays; verification
-rewrites every cache slot it wrote. S3D's LoRA adapters are folded into those copies before they are quantized
-(int8 of W + A B, `folded`) where every one sits on a float weight of its own: a step then runs no adapter, where
-each was two products (docs/methods.md#int8-draft-weights). A draft vocabulary's "head" and a Kangaroo adapter's
-own attention ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
-draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), under its
-own adapters and in its own cache, which it recomputes itself; under a changed target the float base layers it
+rewrites every cache slot it wrote. S3D's and S2D's LoRA adapters are folded into those copies before they are
+quantized (int8 of W + A B, `folded`) where every one sits on a float weight of its own: a step then runs no
+adapter, where each was two products (docs/methods.md#int8-draft-weights). A draft vocabulary's "head" and a
+Kangaroo adapter's own attention ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
+draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), its adapters
+folded in, in its own cache, which it recomputes itself; under a changed target the float base layers it
 carries keep only their norms.
 """
 
@@ -48,7 +48,8 @@ def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan
     if plan is not None:
         runs = {i: [part for part, on in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])) if on]
                 for i in range(plan.num_layers)}
-        layers = {layer_key(i): {part: params[layer_key(i)][part] for part in parts} for i, parts in runs.items() if parts}
+        layers = {layer_key(i): {part: params[layer_key(i)][part] for part in parts}
+                  for i, parts in runs.items() if parts}
         merged = folded(layers, draft.get("lora")) if fold else None
         if merged is not None:
             layers, out = merged, {k: v for k, v in out.items() if k != "lora"}
@@ -72,7 +73,8 @@ def folded(layers: dict, lora: list | None) -> dict | None:
         return None
     out = {}
     for key, parts in layers.items():
-        adapters = lora[int(key.rsplit("_", 1)[1])] or {}
+        i = int(key.rsplit("_", 1)[1])
+        adapters = (lora[i] if i < len(lora) else None) or {}
         out[key] = {part: dict(weights) for part, weights in parts.items()}
         for name, ab in adapters.items():
             holder = [weights for weights in out[key].values() if name in weights]

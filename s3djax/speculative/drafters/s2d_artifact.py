@@ -104,10 +104,11 @@ def build(m, ar, opts, dtype: str, measure: bool):
         thresholds, source = default_thresholds(len(exits)), "fallback"
     draft["thresholds"] = jnp.asarray(thresholds, jnp.float32)
     draft = draft_vocab.attach(draft, meta, m.params)
-    # int8 copies of the draft's base layers (the original model's, whatever the target): its cache is its own.
+    # int8 copies of the draft's base layers (the original model's, whatever the target), its adapters folded in:
+    # its cache is its own.
     n = m.config.num_layers
     draft = draft_weights.attach(draft, m.params, opts.draft_weights, DTYPES[dtype],
-                                 plan=SkipPlan.skipping_layers(n, range(exits[-1], n)))
+                                 plan=SkipPlan.skipping_layers(n, range(exits[-1], n)), fold=True)
 
     # The draft file may carry the tree and deepest draft measured fastest; the paper's chain of 6 otherwise.
     tree = spine(opts.tree, opts.max_draft, meta, 6, "s2d")
