@@ -37,8 +37,9 @@ DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft"}  # the option each method
 # of this many (in shorter loops a step timed slower).
 CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
 # Bumped where what is measured changes, so that step times measured otherwise are measured anew: 2, each depth's own
-# decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work).
-COSTS_VERSION = 2
+# decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work); 3, S3D's
+# and S2D's drafts with their adapters folded into their int8 copies (`draft_weights.folded`), cheaper steps.
+COSTS_VERSION = 3
 
 
 @functools.cache
