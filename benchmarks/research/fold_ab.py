@@ -5,9 +5,9 @@ fold is worth to a decode on the machine at hand, greedy and sampled, with no pr
         [--temperature 0.7 --top-p 0.9]
 
 `ar`, the method folded and the method apart (`draft_weights.attach(fold=False)`, as before the fold) run each prompt
-in turn, at the default flags. Reported per dataset: pooled tokens/s, against `ar`, tau, milliseconds per verify step and, greedy,
-whether every output is `ar`'s; greedy, also each one's draft and verify steps timed apart (`step_times`, after the
-first MT-Bench prompt).
+in turn, at the default flags. Reported per dataset: pooled tokens/s, against `ar`, tau, milliseconds per verify step
+and, greedy, whether every output is `ar`'s; greedy, also each one's draft and verify steps timed apart (`step_times`,
+after the first MT-Bench prompt).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ linears in int8}}, the rest of the layer (its norms) read from the target's own 
 rewrites every cache slot it wrote. S3D's and S2D's LoRA adapters are folded into those copies before they are
 quantized (int8 of W + A B, `folded`) where every one sits on a float weight of its own: a step then runs no
 adapter, where each was two products (docs/methods.md#int8-draft-weights). A draft vocabulary's "head" and a
-Kangaroo adapter's own attention ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification reuses the states its
-draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), its adapters
+Kangaroo adapter's own attention ("attn") go int8 too. Kangaroo's shared layers stay the target's: its verification
+reuses the states its draft computed there. S2D's nested draft gets int8 copies of its base layers (the original model's), its adapters
 folded in, in its own cache, which it recomputes itself; under a changed target the float base layers it
 carries keep only their norms.
 """
@@ -67,22 +67,19 @@ def folded(layers: dict, lora: list | None) -> dict | None:
     """`layers` ({layer key: {sub-layer: {name: W}}}, the sub-layers a draft runs) with every adapter of `lora` (a
     per-layer list of {name: {"a", "b"}}) on them folded in as W + A B, in fp32 and back to W's dtype; None where
     there is no adapter or one cannot be folded: on a weight that is not a float array (an int8 target's own
-    copies), or on a name the layer holds joined (Phi-3's qkv). An adapter on a sub-layer the draft skips is never
-    read."""
+    copies), or on a name the layer holds joined (a Llama's q under its q/k/v joined for a GPU; Phi-3's adapters sit on
+    its qkv itself). An adapter on a sub-layer the draft skips is never read."""
     if not lora:
         return None
-    out = {}
-    for key, parts in layers.items():
-        i = int(key.rsplit("_", 1)[1])
-        adapters = (lora[i] if i < len(lora) else None) or {}
-        out[key] = {part: dict(weights) for part, weights in parts.items()}
-        for name, ab in adapters.items():
-            holder = [weights for weights in out[key].values() if name in weights]
-            if not holder and any(name in quant.JOINED.get(joined, ()) for weights in out[key].values()
-                                  for joined in weights):
+    out = {key: {part: dict(weights) for part, weights in parts.items()} for key, parts in layers.items()}
+    for i, adapters in enumerate(lora):
+        parts = out.get(layer_key(i), {})
+        for name, ab in (adapters or {}).items():
+            holder = [weights for weights in parts.values() if name in weights]
+            if not holder and any(name in quant.JOINED.get(joined, ()) for weights in parts.values() for joined in weights):
                 return None
             if not holder:
-                continue  # a sub-layer the plan skips
+                continue  # a sub-layer (or a layer) the plan skips
             w = holder[0][name]
             if quant.is_weight(w) or not jnp.issubdtype(w.dtype, jnp.floating):
                 return None
