@@ -27,14 +27,15 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 # The modules `make test-quick` leaves out (pytest -m "not slow"): each runs whole decoders of SmolLM2, trains,
 # samples thousands of times for a chi-square test, or compiles for a GPU. `make test`, CI's command, runs them all.
 SLOW_MODULES = {"test_benchmark", "test_chat", "test_cpu_matmul", "test_distill", "test_gate", "test_generator", "test_gpu_suite",
-                "test_h100_compile", "test_kangaroo", "test_lookup", "test_lossless_sampling", "test_notebook",
+                "test_h100_compile", "test_kangaroo", "test_long_prompt", "test_lookup", "test_lossless_sampling", "test_notebook",
                 "test_objective", "test_optimized_compile", "test_parity_hf", "test_peers", "test_prepare_data",
                 "test_s2d", "test_search_skip", "test_self_spec", "test_smollm2", "test_spec", "test_train"}
 
 
 # Started first, so that the workers finish together: the longest tests (minutes on CI's 2 cores), which when handed
 # out late run on while the other workers have nothing left.
-FIRST = ("test_gpu_suite.py::test_tiny_runs_every_piece", "test_optimized_compile.py::", "test_notebook.py::")
+FIRST = ("test_gpu_suite.py::test_tiny_runs_every_piece", "test_optimized_compile.py::", "test_long_prompt.py::",
+         "test_notebook.py::")
 
 
 def pytest_collection_modifyitems(items):
