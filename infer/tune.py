@@ -82,8 +82,9 @@ def main(argv=None):
             why = {c.how for c in choices.values() if c is not None} or {"a depth the data file fixes"}
             lines += [f"{method}: not chosen here, {'; '.join(sorted(why))}", ""]
             continue
-        ar_ms = next(iter(found.values())).costs["ar"] * 1e3
-        lines += [f"{method}: `ar` step {ar_ms:.1f} ms; chosen depth "
+        costs = next(iter(found.values())).costs
+        lines += [f"{method}: `ar` step {costs['ar'] * 1e3:.1f} ms; timings spread {costs['spread']:.1%} (the "
+                  "shallowest depth predicted within it of the best runs); chosen depth "
                   + ", ".join(f"{name} {c.depth}" for name, c in found.items()), ""] + table(method, found) + [""]
     text = "\n".join(lines)
     print(text)

@@ -38,8 +38,9 @@ DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft"}  # the option each method
 CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
 # Bumped where what is measured changes, so that step times measured otherwise are measured anew: 2, each depth's own
 # decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work); 3, S3D's
-# and S2D's drafts with their adapters folded into their int8 copies (`draft_weights.folded`), cheaper steps.
-COSTS_VERSION = 3
+# and S2D's drafts with their adapters folded into their int8 copies (`draft_weights.folded`), cheaper steps; 4, the
+# spread of the timings kept beside them (`speed_model.best_depth`'s tolerance).
+COSTS_VERSION = 4
 
 
 @functools.cache
@@ -129,35 +130,39 @@ def _key(method: str, setting: dict) -> str:
 
 
 def _valid(entry) -> bool:
-    return all(isinstance(entry.get(k), dict) for k in ("draft", "verify")) and isinstance(entry.get("ar"), float)
+    return (all(isinstance(entry.get(k), dict) for k in ("draft", "verify"))
+            and all(isinstance(entry.get(k), float) for k in ("ar", "spread")))
 
 
 def _as_costs(entry: dict) -> dict:
-    return {"ar": entry["ar"], **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify")}}
+    return {"ar": entry["ar"], "spread": entry["spread"],
+            **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify")}}
 
 
 def measure_costs(method: str, build, depths: list[int], record: dict | None = None) -> dict:
-    """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}}, timed in the
-    compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step of `ar`'s loop;
-    "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by the model:
-    verification and the loop's work (a step drafted by prompt lookup instead costs about that). `build(g)` returns
-    the method built at depth g as it will run. With the `record` of what each depth commits, the depths stop where
-    the speed model finds two in a row slower than the best (`speed_model.past_best`)."""
+    """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}, "spread": r},
+    timed in the compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step
+    of `ar`'s loop; "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by
+    the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that); "spread"
+    how far the timings of one loop spread (`loop_step_s`), the widest. `build(g)` returns the method built at depth
+    g as it will run. With the `record` of what each depth commits, the depths stop where the speed model finds two
+    in a row slower than the best (`speed_model.past_best`)."""
     from s3djax.decode import Runner
     from s3djax.speculative.profile import ms_per_step, step_functions
 
     prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
-    costs = {"draft": {}, "verify": {}}
+    costs = {"draft": {}, "verify": {}, "spread": 0.0}
     for g in sorted(depths):
         built = build(g)
         if "ar" not in costs:
-            costs["ar"] = loop_step_s(Runner(built.decoder.ar, built.params[0]), prompt)
+            costs["ar"], costs["spread"] = loop_step_s(Runner(built.decoder.ar, built.params[0]), prompt)
         drafter, runner = built.decoder.drafter, Runner(built.decoder, built.params)
 
         def by_the_model():  # a fresh state (each timing consumes its own) whose steps all draft by the model
             state = runner.prefill(prompt)
             return state if drafter.force is None else {**state, "drafter": drafter.force(state["drafter"], False)}
-        step = loop_step_s(runner, prompt, by_the_model(), "iteration")
+        step, spread = loop_step_s(runner, prompt, by_the_model(), "iteration")
+        costs["spread"] = max(costs["spread"], spread)
         draft = 0.0
         if method != "lookup":  # lookup drafts by a search, not a model
             state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
@@ -172,22 +177,24 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
 
 
 def loop_step_s(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32,
-                rounds: int = 3) -> float:
-    """Seconds per step of `runner`'s compiled decode loop on `prompt`'s cache (or from `state`, its prefill), steps
-    as `counter` counts them: the fastest of `rounds` stretches of `tokens` tokens, after one that warms it up
-    (another process slows a stretch, never speeds it)."""
+                rounds: int = 3) -> tuple[float, float]:
+    """(seconds, spread): seconds per step of `runner`'s compiled decode loop on `prompt`'s cache (or from `state`,
+    its prefill), steps as `counter` counts them, the fastest of `rounds` stretches of `tokens` tokens after one that
+    warms it up (another process slows a stretch, never speeds it); and how much slower the median stretch ran, a
+    share of the fastest: how far apart two timings of the same loop fall on this machine now."""
     from s3djax.speculative.gate import stretch
 
     state = runner.prefill(prompt) if state is None else state
     decode = runner._compiled("decode", runner.decoder.decode, state, jnp.int32(0))[0]
-    best = float("inf")
+    per_step = []
     for i in range(rounds + 1):
         # What is decoded is never shown, so an EOS does not end the timing.
         state, steps, seconds = stretch(decode, runner.params, {**state, "done": jnp.zeros_like(state["done"])},
                                         tokens if i else 4, counter)
         if i and steps:
-            best = min(best, seconds / steps)
-    return best
+            per_step.append(seconds / steps)
+    per_step.sort()
+    return per_step[0], per_step[len(per_step) // 2] / per_step[0] - 1
 
 
 def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool,
@@ -232,4 +239,7 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
     if costs is None:
         return Choice(fixed, "configs/defaults.yaml: step times not measured yet")
     g, predicted = speed_model.best_depth(record, costs)
-    return Choice(g, f"chosen on this machine, predicted {predicted[g]:.2f}x ar", predicted, costs)
+    top = max(predicted, key=predicted.get)
+    within = (f" (depth {top} {predicted[top]:.2f}x, within the timings' {costs['spread']:.0%} spread)"
+              if top != g else "")
+    return Choice(g, f"chosen on this machine, predicted {predicted[g]:.2f}x ar{within}", predicted, costs)

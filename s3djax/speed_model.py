@@ -26,11 +26,15 @@ def speedups(record: dict, costs: dict) -> dict[int, float]:
 
 
 def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
-    """(the depth the model predicts fastest, every depth's predicted speedup); the shallower depth on a tie."""
+    """(the depth to run, every depth's predicted speedup): the shallowest whose prediction is within the step times'
+    spread (costs["spread"], a share; none where absent) of the best. Where the curve is that flat, which depth
+    predicts fastest is the timing's noise, and a deeper chain also stakes more on the record's acceptance holding
+    for the user's prompts (its last drafts are the ones accepted least)."""
     predicted = speedups(record, costs)
     if not predicted:
         raise ValueError("no depth has both a record and a cost")
-    return max(predicted, key=lambda g: (predicted[g], -g)), predicted
+    floor = max(predicted.values()) * (1 - costs.get("spread", 0.0))
+    return min(g for g, p in predicted.items() if p >= floor), predicted
 
 
 # How far below the best a depth's prediction must fall to count as past it: step times spread by a few percent from

@@ -16,8 +16,8 @@ RECORD = {1: {"tau": 1.8, "model_drafts": 1.0}, 2: {"tau": 2.4, "model_drafts": 
           3: {"tau": 2.7, "model_drafts": 1.0}, 4: {"tau": 2.85, "model_drafts": 1.0}}
 
 
-def costs(verify: dict, draft: float = 0.004, ar: float = 0.010) -> dict:
-    return {"ar": ar, "draft": {g: draft * (1 + g / 8) for g in verify}, "verify": verify}
+def costs(verify: dict, draft: float = 0.004, ar: float = 0.010, spread: float = 0.0) -> dict:
+    return {"ar": ar, "draft": {g: draft * (1 + g / 8) for g in verify}, "verify": verify, "spread": spread}
 
 
 def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
@@ -42,6 +42,19 @@ def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
     assert speed_model.best_depth(tie, costs({1: 0.01, 2: 0.01}))[0] == 1
     with pytest.raises(ValueError):
         speed_model.best_depth(RECORD, costs({9: 0.01}))
+
+
+def test_a_deeper_chain_is_chosen_only_where_it_predicts_faster_by_more_than_the_timings_spread():
+    # Worked by hand, draft 4 ms * (1 + g / 8), ar 10 ms: 2.4 * 10 / (5 + 9.9) = 1.611 at g = 2, 2.7 * 10 / (5.5 +
+    # 11.2) = 1.617 at g = 3, 2.85 * 10 / (6 + 11.6) = 1.619 at g = 4; deeper is 0.5% faster at most.
+    flat = {1: 0.0095, 2: 0.0099, 3: 0.0112, 4: 0.0116}
+    assert speed_model.best_depth(RECORD, costs(flat))[0] == 4  # timings taken as exact
+    assert speed_model.best_depth(RECORD, costs(flat, spread=0.004))[0] == 3
+    assert speed_model.best_depth(RECORD, costs(flat, spread=0.03))[0] == 2
+    # g = 1 predicts 1.8 * 10 / (4.5 + 9.5) = 1.286, 21% below the best: only a spread that wide reaches it.
+    assert speed_model.best_depth(RECORD, costs(flat, spread=0.25))[0] == 1
+    # A steep curve's best is far ahead of its neighbours: a few percent of spread leaves it.
+    assert speed_model.best_depth(RECORD, costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}, spread=0.03))[0] == 2
 
 
 @pytest.fixture
@@ -134,8 +147,10 @@ def test_measuring_times_each_depths_own_loop_on_a_real_model():
     def build(g):
         return methods.build("s3d", m, max_cache_len=defaults.CACHE_LEN, draft_path="none", gamma=g, lookup=1)
     measured = defaults.measure_costs("s3d", build, [1, 3])
-    assert set(measured) == {"ar", "draft", "verify"} and set(measured["draft"]) == set(measured["verify"]) == {1, 3}
+    assert set(measured) == {"ar", "draft", "verify", "spread"}
+    assert set(measured["draft"]) == set(measured["verify"]) == {1, 3}
     assert all(0 < s < 1 for s in [measured["ar"], *measured["draft"].values(), *measured["verify"].values()])
+    assert 0 <= measured["spread"] < 10  # the median of three timings against the fastest
 
 
 @pytest.mark.slow
@@ -145,7 +160,8 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
     monkeypatch.setenv(defaults.ENV, "measure")
     target = {"s3d": 6, "lookup": 5}
     monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths, record: {
-        "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths}})
+        "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths},
+        "spread": 0.02})
     from s3djax.tokenizer import encode_prompt
 
     ids = encode_prompt(smollm2.tokenizer, "List three facts about the Moon, then repeat them.", chat_template=True)
