@@ -59,14 +59,14 @@ def main():
         runs[name] = lambda ids, n, r=session.runner: r.generate(ids, n)
         about[name] = f"{quant.param_bytes(session.built.params) / 2**20:.0f} MiB of weights"
     notes = []
-    why = llamacpp.unavailable()
-    for name in args.peers if not why else ():
+    for name in args.peers:
+        if why := llamacpp.fails(name, base.source.path):
+            notes.append(f"{name} skipped: {why}")
+            continue
         llm = llamacpp.model(name, base.source.path, n_ctx=2048)
         peer = llamacpp.peer(llm, loaded[("float32", None)].eos_ids if ("float32", None) in loaded else ())
         runs[name] = lambda ids, n, peer=peer: peer(ids, n)
         about[name] = llamacpp.gguf_for(name, base.source.path).rsplit("/", 1)[-1]
-    if why:
-        notes.append(f"llama.cpp peers skipped: {why}")
     for r in runs.values():  # compile and warm up
         r(prompts[0], 8)
     tokens, seconds = {n: 0 for n in runs}, {n: 0.0 for n in runs}

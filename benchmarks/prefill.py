@@ -78,11 +78,12 @@ def main() -> None:
     p.check(args, repeats=args.repeats >= 1, methods=methods[0] == "ar", new_tokens=args.new_tokens >= 2,
             tokens=all(1 < n < args.max_cache_len for n in sizes))
     peers = [] if args.peers == "none" else args.peers.split(",")
-    if peers and (why := llamacpp.unavailable()):
-        print(f"note: {why}; the llama.cpp columns are skipped")
-        peers = []
 
     gen = Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len)
+    for name in list(peers):
+        if why := llamacpp.fails(name, gen.source.path):
+            print(f"note: {name}'s column is skipped: {why}")
+            peers.remove(name)
     ours = {m: gen.session(m).runner for m in methods}
     quantized = None if args.quant == "none" else \
         Generator(DEFAULT_MODEL, method="ar", max_cache_len=args.max_cache_len, quant=args.quant)

@@ -287,8 +287,8 @@ def build_methods(args, gen, prompts_for_tuning, notes):
             built[name] = JaxMethod("ar", xla, args)
             built[name].about = "ar with XLA's dot for every product (no CPU matmul kernel)"
         elif name in llamacpp.PEERS:
-            why = llamacpp.unavailable() or (None if gen.source.path.endswith(".gguf") else
-                                             f"{gen.source.path} is not a GGUF file")
+            why = (llamacpp.fails(name, gen.source.path) if gen.source.path.endswith(".gguf") else
+                   f"{gen.source.path} is not a GGUF file")
             if why:
                 notes.append(f"{name} skipped: {why}")
                 continue

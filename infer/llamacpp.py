@@ -14,6 +14,9 @@ optional extra (`pip install -e ".[llamacpp]"`; it builds llama.cpp from source,
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -30,6 +33,23 @@ def unavailable() -> str | None:
     except ImportError as e:
         return f"llama.cpp peers need llama-cpp-python ({e}): run `pip install -e \".[llamacpp]\"`"
     return None
+
+
+def fails(name: str, source: str) -> str | None:
+    """Why the peer `name` on `source` cannot run in this process, or None: llama-cpp-python missing, or the peer
+    dying when it loads and decodes two tokens in a child process first. llama.cpp's CPU library picks its kernels
+    by the CPU's features, and on some hosts one of them crashes the process (Q8_0 on an Intel Xeon with AMX under
+    KVM); a benchmark that ran it in process would lose every column with it."""
+    if why := unavailable():
+        return why
+    child = subprocess.run([sys.executable, "-m", "infer.llamacpp", name, source], capture_output=True, text=True,
+                           timeout=600)
+    if child.returncode == 0:
+        return None
+    if child.returncode < 0:
+        return (f"llama.cpp crashed on this machine ({signal.Signals(-child.returncode).name} in a probe that "
+                f"loads {name} and decodes 2 tokens)")
+    return (child.stderr.strip().splitlines() or [f"exit code {child.returncode}"])[-1]
 
 
 def gguf_for(name: str, source: str) -> str:
@@ -86,3 +106,9 @@ def peer(llm, eos_ids=()) -> Callable[[list[int], int], dict]:
         return dict(tokens=tokens, ttft_s=first, total_s=total, decode_s=total - (first or 0.0))
 
     return run
+
+
+if __name__ == "__main__":  # `fails`'s probe: python -m infer.llamacpp PEER GGUF
+    from s3djax.cli import run
+
+    run(lambda: peer(model(sys.argv[1], sys.argv[2], n_ctx=64))([1, 2, 3], 2))
