@@ -26,8 +26,8 @@ struct Blocking {
   int64_t pair_dot = 0;        // 1: bfloat16 pairs (kPairs, x bfloat16) multiplied by the ISA's pair instruction
                                // where it has one (Kernels::pair_dot), which adds a pair's products as the fma pair
                                // does, k + 1 first; it is faster on some CPUs and slower on others
-  int64_t row_panels = 1;      // 2: a one-row product's tile is two packed panels, twice the fma chains in flight
-                               // (a lone row's chains are few, and each waits on the one before)
+  int64_t row_panels = 1;      // 2: a product of few rows (kernels.inc's kPanelRows) takes tiles of two packed
+                               // panels, twice the fma chains in flight and two weight streams
 };
 
 // out[M, N] = x[M, K] @ W, times scale[N] where `scale` is not null (int8's per-output-channel scales),

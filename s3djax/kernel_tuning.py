@@ -1,4 +1,4 @@
-"""The CPU matmul's blocking (how far ahead it prefetches, its K chunk, the rows a tile holds, a lone row's panels),
+"""The CPU matmul's blocking (how far ahead it prefetches, its K chunk, the rows a tile holds, a few rows' panels),
 chosen on the machine at hand: the blocking picked by hand on a Zen 4 left multi-row products on an Intel Xeon far
 slower than that CPU's own (docs/kernels.md#blocking). No blocking changes a result (each output element is one fma
 chain over K).
@@ -25,12 +25,13 @@ from s3djax import defaults, device, user_cache
 TABLE = "kernel-blocking.json"
 # The search, in stages, each over every combination of its settings' candidates at the rows they matter for, on
 # fp32 or bfloat16 weights (the earlier stages' choices held): prefetching for a one-token step and a small verify,
-# with the panels a one-row tile takes (two keep twice the fma chains in flight but split the columns into half as
-# many tiles, docs/kernels.md#a-lone-row); then the K chunk (where a tile has several register blocks) with the rows a tile holds (where a product has more
-# rows than 16), which interact: a tile of 17 rows passes over each chunk three times; then, where the vector unit
+# with the panels a tile of few rows takes (two keep twice the fma chains in flight but split the columns into half
+# as many tiles, docs/kernels.md#a-lone-row; up to 3 rows on AVX-512, docs/kernels.md#a-few-rows); then the K chunk
+# (where a tile has several register blocks) with the rows a tile holds (where a product has more rows than 16),
+# which interact: a tile of 17 rows passes over each chunk three times; then, where the vector unit
 # multiplies bfloat16 pairs (`matmul.pair_dot()`), whether its pair instruction beats widening each pair (on the
 # Intel Xeon of issue 68 it is slower, docs/kernels.md#bfloat16-pairs).
-SEARCH = (({"prefetch": (0, 1024, 2048, 4096, 8192), "row_panels": (1, 2)}, (1, 5), "fp32"),
+SEARCH = (({"prefetch": (0, 1024, 2048, 4096, 8192), "row_panels": (1, 2)}, (1, 3, 5), "fp32"),
           ({"chunk_bytes": (8 << 10, 16 << 10, 32 << 10, 64 << 10), "tile_rows": (16, 32)}, (9, 17), "fp32"),
           ({"pair_dot": (0, 1)}, (5, 17), "bf16"))
 K, N = 576, 1536          # SmolLM2's hidden and MLP widths

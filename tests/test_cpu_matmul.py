@@ -75,7 +75,7 @@ def test_kernel_against_reference_and_rows_alone():
 
 
 def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
-    """Prefetch distance, K chunk, rows a tile holds and a lone row's panels change how the loops run, never a result: under every
+    """Prefetch distance, K chunk, rows a tile holds and a few rows' panels change how the loops run, never a result: under every
     combination in the tuner's search, every dtype and layout gives the bits of the fixed blocking, row by row."""
     import itertools
 
@@ -86,8 +86,9 @@ def test_every_blocking_the_tuner_may_pick_gives_the_same_bits():
         space.update(settings)
     fixed = kernel_tuning.fallback()
     products = []
-    # One row over 3 and 4 panels: the tiles of two panels a lone row may take, and a last one of one.
-    for m, k, n, dtype, layout, x_dtype in cases([(1, 577, 200), (1, 577, 300), (5, 577, 70), (9, 1030, 129), (17, 300, 33), (33, 64, 200)]):
+    # One to three rows over 3 and 4 panels: the tiles of two panels a few rows may take, and a last one of one.
+    for m, k, n, dtype, layout, x_dtype in cases([(1, 577, 200), (1, 577, 300), (2, 577, 300), (3, 577, 200),
+                                                  (5, 577, 70), (9, 1030, 129), (17, 300, 33), (33, 64, 200)]):
         x, w, scale = inputs(m, k, n, dtype, layout, x_dtype=x_dtype)
         product = jax.jit(lambda x, w, s, layout=layout: cm.matmul(x, w, s, layout))
         products.append((product, x, w, scale))

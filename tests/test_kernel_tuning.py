@@ -35,7 +35,7 @@ def test_the_search_picks_the_fastest_blocking_of_a_cost_table():
     # stage only where the vector unit has one (else the start's setting stays).
     seen = []
     kernel_tuning.choose(lambda b, m, weights: seen.append((m, b["prefetch"], weights, b["pair_dot"])) or 1.0, start)
-    assert {m for m, *_ in seen} == {1, 5, 9, 17} and {p for m, p, *_ in seen if m in (9, 17)} == {0}
+    assert {m for m, *_ in seen} == {1, 3, 5, 9, 17} and {p for m, p, *_ in seen if m in (9, 17)} == {0}
     assert {w for *_, w, dot in seen if dot} == {"bf16"} and {(m, w) for m, _, w, _ in seen if w == "bf16"} == \
         {(5, "bf16"), (17, "bf16")}
     best = {"prefetch": 0, "chunk_bytes": 8 << 10, "tile_rows": 16, "pair_dot": 1, "row_panels": 1}
