@@ -77,10 +77,11 @@ def gguf_for(name: str, source: str) -> str:
 
 def model(name: str, source: str, *, n_ctx: int, threads: int | None = None):
     """A llama_cpp.Llama on the peer's GGUF, on `threads` cores (default: all, as JAX takes)."""
+    path = gguf_for(name, source)  # first: an unknown peer is named where llama-cpp-python is missing too
     import llama_cpp
 
     threads = threads or os.cpu_count() or 1
-    return llama_cpp.Llama(gguf_for(name, source), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+    return llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                            verbose=False)
 
 
