@@ -39,8 +39,9 @@ CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
 # Bumped where what is measured changes, so that step times measured otherwise are measured anew: 2, each depth's own
 # decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work); 3, S3D's
 # and S2D's drafts with their adapters folded into their int8 copies (`draft_weights.folded`), cheaper steps; 4, the
-# spread of the timings kept beside them (`speed_model.best_depth`'s tolerance).
-COSTS_VERSION = 4
+# spread of the timings kept beside them (`speed_model.best_depth`'s tolerance); 5, `ar` timed in turn with each depth
+# (`measure_costs`), its fastest stretch of all kept.
+COSTS_VERSION = 5
 
 
 @functools.cache
@@ -144,57 +145,77 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
     timed in the compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step
     of `ar`'s loop; "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by
     the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that); "spread"
-    how far the timings of one loop spread (`loop_step_s`), the widest. `build(g)` returns the method built at depth
-    g as it will run. With the `record` of what each depth commits, the depths stop where the speed model finds two
-    in a row slower than the best (`speed_model.past_best`)."""
+    how far the timings of a depth's loop spread (`alternate`), the widest. Each depth's loop is timed in turn with
+    `ar`'s, so that `ar` is timed as often as every depth together and the fastest of all its stretches is kept (a
+    few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out of "spread": it moves every
+    depth's prediction alike, so it cannot change which is best. `build(g)` returns the method built at depth g as it
+    will run. With the `record` of what each depth commits, the depths stop where the speed model finds two in a row
+    slower than the best (`speed_model.past_best`)."""
     from s3djax.decode import Runner
     from s3djax.speculative.profile import ms_per_step, step_functions
 
     prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
-    costs = {"draft": {}, "verify": {}, "spread": 0.0}
+    costs, step, ar = {"draft": {}, "verify": {}, "spread": 0.0}, {}, None
     for g in sorted(depths):
         built = build(g)
-        if "ar" not in costs:
-            costs["ar"], costs["spread"] = loop_step_s(Runner(built.decoder.ar, built.params[0]), prompt)
+        ar = ar or Runner(built.decoder.ar, built.params[0])
         drafter, runner = built.decoder.drafter, Runner(built.decoder, built.params)
 
         def by_the_model():  # a fresh state (each timing consumes its own) whose steps all draft by the model
             state = runner.prefill(prompt)
             return state if drafter.force is None else {**state, "drafter": drafter.force(state["drafter"], False)}
-        step, spread = loop_step_s(runner, prompt, by_the_model(), "iteration")
+        (ar_s, _), (step[g], spread) = alternate([loop_timer(ar, prompt), loop_timer(runner, prompt, by_the_model(),
+                                                                                     "iteration")])
+        costs["ar"] = min(costs.get("ar", ar_s), ar_s)
         costs["spread"] = max(costs["spread"], spread)
         draft = 0.0
         if method != "lookup":  # lookup drafts by a search, not a model
             state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
             draft = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
                                 (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
-        # The rest of a step verifies at least one token, so it costs no less than the target's own step.
-        costs["draft"][g] = max(min(draft, step - costs["ar"]), 0.0)
-        costs["verify"][g] = step - costs["draft"][g]
+        costs["draft"][g] = draft
+        # The rest of a step verifies at least one token, so it costs no less than the target's own step; `ar`'s
+        # fastest so far stands for the target's step until a later depth's stretches find a faster one.
+        for d in step:
+            costs["draft"][d] = max(min(costs["draft"][d], step[d] - costs["ar"]), 0.0)
+            costs["verify"][d] = step[d] - costs["draft"][d]
         if record and speed_model.past_best(speed_model.speedups(record, costs)):
             break
     return costs
 
 
-def loop_step_s(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32,
-                rounds: int = 3) -> tuple[float, float]:
-    """(seconds, spread): seconds per step of `runner`'s compiled decode loop on `prompt`'s cache (or from `state`,
-    its prefill), steps as `counter` counts them, the fastest of `rounds` stretches of `tokens` tokens after one that
-    warms it up (another process slows a stretch, never speeds it); and how much slower the median stretch ran, a
-    share of the fastest: how far apart two timings of the same loop fall on this machine now."""
+def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32):
+    """A function timing one more stretch of `tokens` tokens of `runner`'s compiled decode loop on `prompt`'s cache
+    (or from `state`, its prefill): seconds per step as `counter` counts them. A first stretch warms it up."""
     from s3djax.speculative.gate import stretch
 
-    state = runner.prefill(prompt) if state is None else state
-    decode = runner._compiled("decode", runner.decoder.decode, state, jnp.int32(0))[0]
-    per_step = []
-    for i in range(rounds + 1):
+    box = [runner.prefill(prompt) if state is None else state]
+    decode = runner._compiled("decode", runner.decoder.decode, box[0], jnp.int32(0))[0]
+
+    def once(n: int = tokens) -> float | None:
         # What is decoded is never shown, so an EOS does not end the timing.
-        state, steps, seconds = stretch(decode, runner.params, {**state, "done": jnp.zeros_like(state["done"])},
-                                        tokens if i else 4, counter)
-        if i and steps:
-            per_step.append(seconds / steps)
-    per_step.sort()
-    return per_step[0], per_step[len(per_step) // 2] / per_step[0] - 1
+        box[0], steps, seconds = stretch(decode, runner.params, {**box[0], "done": jnp.zeros_like(box[0]["done"])},
+                                         n, counter)
+        return seconds / steps if steps else None
+    once(4)
+    return once
+
+
+def alternate(timers, rounds: int = 3) -> list[tuple[float, float]]:
+    """(seconds, spread) for each of `timers` (`loop_timer`s), timed in turn `rounds` times: the fastest stretch
+    (another process slows a stretch, never speeds it), and how much slower the median stretch ran, a share of the
+    fastest: how far apart two timings of the same loop fall on this machine now. Taking turns puts a slow spell of
+    the machine on every loop alike."""
+    times = [[] for _ in timers]
+    for _ in range(rounds):
+        for timer, kept in zip(timers, times):
+            if (s := timer()) is not None:
+                kept.append(s)
+    out = []
+    for kept in times:
+        kept.sort()
+        out.append((kept[0], kept[len(kept) // 2] / kept[0] - 1))
+    return out
 
 
 def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool,

@@ -140,6 +140,22 @@ def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(mach
     assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=str(draft), greedy=True).costs is None
 
 
+def test_loops_are_timed_in_turn_and_each_keeps_its_fastest_stretch():
+    calls = []
+
+    def timer(name, seconds):
+        stretches = iter(seconds)
+        return lambda: calls.append(name) or next(stretches)
+    # A slow spell of the machine in the second round slows both loops; each keeps its own fastest stretch.
+    (ar, ar_spread), (step, spread) = defaults.alternate([timer("ar", [0.020, 0.030, 0.021]),
+                                                          timer("g", [0.026, 0.039, 0.025])])
+    assert calls == ["ar", "g"] * 3
+    assert (ar, step) == (0.020, 0.025)
+    assert ar_spread == pytest.approx(0.05) and spread == pytest.approx(0.04)
+    # A stretch that found the cache full (None) is not a timing.
+    assert defaults.alternate([timer("full", [0.010, None, 0.012])], rounds=3) == [(0.010, pytest.approx(0.2))]
+
+
 def test_measuring_times_each_depths_own_loop_on_a_real_model():
     m = tiny_model()
     m = dataclasses.replace(m, tokenizer=types.SimpleNamespace(pad_token_id=0))
