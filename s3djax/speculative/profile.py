@@ -40,14 +40,26 @@ def compiled_loop(step, params, carry, repeats: int):
 def ms_per_step(step, params, cache, repeats: int):
     """Milliseconds a step takes (`compiled_loop`'s loop, the fastest of 3 runs: another process slows a run, never
     speeds it), and the carry after."""
-    run, cache = compiled_loop(step, params, cache, repeats)
-    samples = []
-    for _ in range(3):
-        t = time.perf_counter()
-        cache, acc = run(params, cache)
-        jax.block_until_ready(acc)
-        samples.append((time.perf_counter() - t) / repeats)
-    return min(samples) * 1000, cache
+    ms, cache = ms_per_steps({0: step}, params, cache, repeats)
+    return ms[0], cache
+
+
+def ms_per_steps(steps: dict, params, carry, repeats: int, rounds: int = 3):
+    """({name: milliseconds a step takes}, the carry after) for each of `steps` (sharing one carry's shapes), their
+    compiled loops run in turn `rounds` times, each step's fastest run kept: a slow spell of the machine falls on
+    every step alike, where timing one step's runs after another's put it on whichever ran then (on a shared machine
+    the first loop a process timed often read slowest, docs/defaults.md)."""
+    runs = {}
+    for name, step in steps.items():
+        runs[name], carry = compiled_loop(step, params, carry, repeats)
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            carry, acc = run(params, carry)
+            jax.block_until_ready(acc)
+            best[name] = min(best[name], (time.perf_counter() - t) / repeats * 1000)
+    return best, carry
 
 
 def forward_step(ar, tokens, length):
@@ -110,7 +122,6 @@ def step_times(decoder: SpecDecoder, params, state, *, trees: dict[str, TreeSpec
     """Milliseconds for the AR step, the draft step and the verify step (of each tree given, default the
     decoder's), at the state's committed length. The state's cache is consumed."""
     length, last = state["length"], state["last"]
-    carry, out = (state["cache"], state["drafter"]), {}
-    for key, step in step_functions(decoder, trees).items():
-        out[key], carry = ms_per_step(lambda p, c, step=step: step(p, c, length, last), params, carry, repeats)
-    return out
+    steps = {key: (lambda p, c, step=step: step(p, c, length, last))
+             for key, step in step_functions(decoder, trees).items()}
+    return ms_per_steps(steps, params, (state["cache"], state["drafter"]), repeats)[0]
