@@ -27,8 +27,8 @@ import types
 from s3djax.cli import Parser, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACCEPTANCE = os.path.join(ROOT, "benchmarks", "results", "family-zen4-kept-layers-mt-bench-80-humaneval-40-cpu-2026-11-28",
-                          "results.json")
+ACCEPTANCE = os.path.join(ROOT, "benchmarks", "results", "archive",
+                          "family-zen4-kept-layers-mt-bench-80-humaneval-40-cpu-2026-11-28", "results.json")
 
 
 @dataclasses.dataclass(frozen=True)
