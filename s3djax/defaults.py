@@ -147,10 +147,10 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
     the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that); "spread"
     how far the timings of a depth's loop spread (`alternate`), the widest. Each depth's loop is timed in turn with
     `ar`'s, so that `ar` is timed as often as every depth together and the fastest of all its stretches is kept (a
-    few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out of "spread": it moves every
-    depth's prediction alike, so it cannot change which is best. `build(g)` returns the method built at depth g as it
-    will run. With the `record` of what each depth commits, the depths stop where the speed model finds two in a row
-    slower than the best (`speed_model.past_best`)."""
+    few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out of
+    "spread": it moves every depth's prediction alike, so it cannot change which is best. `build(g)` returns the
+    method built at depth g as it will run. With the `record` of what each depth commits, the depths stop where the
+    speed model finds two in a row slower than the best (`speed_model.past_best`)."""
     from s3djax.decode import Runner
     from s3djax.speculative.profile import ms_per_step, step_functions
 
