@@ -145,43 +145,47 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
     timed in the compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step
     of `ar`'s loop; "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by
     the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that); "spread"
-    how far the timings of a depth's loop spread (`alternate`), the widest. Each depth's loop is timed in turn with
-    `ar`'s, so that `ar` is timed as often as every depth together and the fastest of all its stretches is kept (a
-    few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out of
-    "spread": it moves every depth's prediction alike, so it cannot change which is best. `build(g)` returns the
+    how far the timings of a depth's loop spread (`profile.alternate`), the widest. Each depth's loop is timed in turn
+    with `ar`'s, so that `ar` is timed as often as every depth together and the fastest of all its stretches is kept
+    (a few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out
+    of "spread": it moves every depth's prediction alike, so it cannot change which is best. `build(g)` returns the
     method built at depth g as it will run. With the `record` of what each depth commits, the depths stop where the
     speed model finds two in a row slower than the best (`speed_model.past_best`)."""
     from s3djax.decode import Runner
-    from s3djax.speculative.profile import ms_per_step, step_functions
+    from s3djax.speculative.profile import alternate, ms_per_step, step_functions
 
     prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
-    costs, step, ar = {"draft": {}, "verify": {}, "spread": 0.0}, {}, None
+    costs, steps, drafts, ar = {"draft": {}, "verify": {}, "spread": 0.0}, {}, {}, None
     for g in sorted(depths):
         built = build(g)
-        ar = ar or Runner(built.decoder.ar, built.params[0])
+        if ar is None:
+            ar = Runner(built.decoder.ar, built.params[0])
         drafter, runner = built.decoder.drafter, Runner(built.decoder, built.params)
 
         def by_the_model():  # a fresh state (each timing consumes its own) whose steps all draft by the model
             state = runner.prefill(prompt)
             return state if drafter.force is None else {**state, "drafter": drafter.force(state["drafter"], False)}
-        (ar_s, _), (step[g], spread) = alternate([loop_timer(ar, prompt), loop_timer(runner, prompt, by_the_model(),
-                                                                                     "iteration")])
+        (ar_s, _), (steps[g], spread) = alternate([loop_timer(ar, prompt),
+                                                   loop_timer(runner, prompt, by_the_model(), "iteration")])
         costs["ar"] = min(costs.get("ar", ar_s), ar_s)
         costs["spread"] = max(costs["spread"], spread)
-        draft = 0.0
+        drafts[g] = 0.0
         if method != "lookup":  # lookup drafts by a search, not a model
             state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
-            draft = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
-                                (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
-        costs["draft"][g] = draft
-        # The rest of a step verifies at least one token, so it costs no less than the target's own step; `ar`'s
-        # fastest so far stands for the target's step until a later depth's stretches find a faster one.
-        for d in step:
-            costs["draft"][d] = max(min(costs["draft"][d], step[d] - costs["ar"]), 0.0)
-            costs["verify"][d] = step[d] - costs["draft"][d]
+            drafts[g] = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
+                                    (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
+        # `ar`'s fastest so far stands for the target's step until a later depth's stretches find a faster one.
+        costs["draft"], costs["verify"] = split_steps(steps, drafts, costs["ar"])
         if record and speed_model.past_best(speed_model.speedups(record, costs)):
             break
     return costs
+
+
+def split_steps(steps: dict, drafts: dict, ar: float) -> tuple[dict, dict]:
+    """({g: draft}, {g: verify}) from each depth's whole step and its model's draft timed alone: the rest of a step
+    verifies at least one token, so it costs no less than the target's own step `ar`, and the draft gives way."""
+    draft = {g: max(min(drafts[g], steps[g] - ar), 0.0) for g in steps}
+    return draft, {g: steps[g] - draft[g] for g in steps}
 
 
 def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32):
@@ -199,23 +203,6 @@ def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: st
         return seconds / steps if steps else None
     once(4)
     return once
-
-
-def alternate(timers, rounds: int = 3) -> list[tuple[float, float]]:
-    """(seconds, spread) for each of `timers` (`loop_timer`s), timed in turn `rounds` times: the fastest stretch
-    (another process slows a stretch, never speeds it), and how much slower the median stretch ran, a share of the
-    fastest: how far apart two timings of the same loop fall on this machine now. Taking turns puts a slow spell of
-    the machine on every loop alike."""
-    times = [[] for _ in timers]
-    for _ in range(rounds):
-        for timer, kept in zip(timers, times):
-            if (s := timer()) is not None:
-                kept.append(s)
-    out = []
-    for kept in times:
-        kept.sort()
-        out.append((kept[0], kept[len(kept) // 2] / kept[0] - 1))
-    return out
 
 
 def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool,

@@ -10,6 +10,7 @@ import pytest
 from s3djax import defaults, methods, speed_model, user_cache
 from s3djax.decode import Runner
 from s3djax.errors import UserError
+from s3djax.speculative import profile
 from tests.tiny import tiny_model
 
 RECORD = {1: {"tau": 1.8, "model_drafts": 1.0}, 2: {"tau": 2.4, "model_drafts": 1.0},
@@ -147,13 +148,27 @@ def test_loops_are_timed_in_turn_and_each_keeps_its_fastest_stretch():
         stretches = iter(seconds)
         return lambda: calls.append(name) or next(stretches)
     # A slow spell of the machine in the second round slows both loops; each keeps its own fastest stretch.
-    (ar, ar_spread), (step, spread) = defaults.alternate([timer("ar", [0.020, 0.030, 0.021]),
-                                                          timer("g", [0.026, 0.039, 0.025])])
+    (ar, ar_spread), (step, spread) = profile.alternate([timer("ar", [0.020, 0.030, 0.021]),
+                                                         timer("g", [0.026, 0.039, 0.025])])
     assert calls == ["ar", "g"] * 3
     assert (ar, step) == (0.020, 0.025)
     assert ar_spread == pytest.approx(0.05) and spread == pytest.approx(0.04)
     # A stretch that found the cache full (None) is not a timing.
-    assert defaults.alternate([timer("full", [0.010, None, 0.012])], rounds=3) == [(0.010, pytest.approx(0.2))]
+    assert profile.alternate([timer("full", [0.010, None, 0.012])], rounds=3) == [(0.010, pytest.approx(0.2))]
+
+
+def test_a_step_splits_into_draft_and_verify_by_the_fastest_ar_whenever_it_was_timed():
+    steps, drafts = {1: 0.025, 3: 0.030}, {1: 0.008, 3: 0.010}
+    # The rest of a step costs no less than ar's: the draft timed alone gives way where it would leave less.
+    assert split(steps, drafts, 0.019) == ({1: 0.006, 3: 0.010}, {1: 0.019, 3: 0.020})
+    # A later, faster ar gives back what an earlier one took: the split depends on the fastest ar, not the order.
+    assert split(steps, drafts, 0.018) == ({1: 0.007, 3: 0.010}, {1: 0.018, 3: 0.020})
+    assert split({1: 0.015}, {1: 0.004}, 0.018) == ({1: 0.0}, {1: 0.015})
+
+
+def split(steps, drafts, ar):
+    draft, verify = defaults.split_steps(steps, drafts, ar)
+    return ({g: round(v, 6) for g, v in draft.items()}, {g: round(v, 6) for g, v in verify.items()})
 
 
 def test_measuring_times_each_depths_own_loop_on_a_real_model():

@@ -46,20 +46,39 @@ def ms_per_step(step, params, cache, repeats: int):
 
 def ms_per_steps(steps: dict, params, carry, repeats: int, rounds: int = 3):
     """({name: milliseconds a step takes}, the carry after) for each of `steps` (sharing one carry's shapes), their
-    compiled loops run in turn `rounds` times, each step's fastest run kept: a slow spell of the machine falls on
-    every step alike, where timing one step's runs after another's put it on whichever ran then (on a shared machine
-    the first loop a process timed often read slowest, docs/defaults.md)."""
+    compiled loops run in turn `rounds` times (`alternate`), each step's fastest run kept."""
     runs = {}
     for name, step in steps.items():
         runs[name], carry = compiled_loop(step, params, carry, repeats)
-    best = dict.fromkeys(steps, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
+    box = [carry]
+
+    def timer(run):
+        def once() -> float:
             t = time.perf_counter()
-            carry, acc = run(params, carry)
+            box[0], acc = run(params, box[0])
             jax.block_until_ready(acc)
-            best[name] = min(best[name], (time.perf_counter() - t) / repeats * 1000)
-    return best, carry
+            return (time.perf_counter() - t) / repeats * 1000
+        return once
+    timed = alternate([timer(run) for run in runs.values()], rounds)
+    return {name: ms for name, (ms, _) in zip(runs, timed)}, box[0]
+
+
+def alternate(timers, rounds: int = 3) -> list[tuple[float, float]]:
+    """(time, spread) for each of `timers` (functions timing one more run, None where nothing ran), timed in turn
+    `rounds` times: the fastest run (another process slows a run, never speeds it), and how much slower the median run
+    was, a share of the fastest: how far apart two timings of the same thing fall on this machine now. Taking turns
+    puts a slow spell of the machine on every timer alike, where timing one after another put it on whichever ran then
+    (on a shared machine the first loop a process timed often read slowest, docs/defaults.md)."""
+    times = [[] for _ in timers]
+    for _ in range(rounds):
+        for timer, kept in zip(timers, times):
+            if (t := timer()) is not None:
+                kept.append(t)
+    out = []
+    for kept in times:
+        kept.sort()
+        out.append((kept[0], kept[len(kept) // 2] / kept[0] - 1))
+    return out
 
 
 def forward_step(ar, tokens, length):
