@@ -1,6 +1,7 @@
 """`python -m infer.tune`: choose each method's chain depth on this machine, from its step times and the speed model.
 
-    python -m infer.tune [--model smollm2-135m] [--methods s3d,lookup] [--dtype float32] [--quant int8-all] [--again]
+    python -m infer.tune [--model smollm2-135m] [--methods s3d,lookup,...] [--dtype float32] [--quant int8-all]
+                         [--again]
 
 A method run with its depth unset does this once by itself (`s3djax.defaults`); this command does it on purpose,
 re-measures with --again (the CPU matmul's blocking too, `s3djax.kernel_tuning`), and prints each depth's step times
@@ -15,7 +16,9 @@ import os
 
 from s3djax.cli import Parser, run
 
-METHODS = ("s3d", "lookup")
+from s3djax.defaults import DEPTH_OPTION
+
+METHODS = tuple(DEPTH_OPTION)
 
 
 def parse_args(argv=None):

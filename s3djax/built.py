@@ -76,9 +76,10 @@ def giving_way(built: Built, opts, method: str) -> Built:
                                draft=built.draft + about_lookup)
 
 
-def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: bool, gives_way: bool = True):
+def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: bool, gives_way: bool = True,
+                 fixed: tuple[int, str] | None = None):
     """`defaults.depth` for a method's chain, its record used only where it was made with this lookup switch
-    (`gives_way`: the method's chain gives way to lookup's)."""
+    (`gives_way`: the method's chain gives way to lookup's); `fixed`: its depth where nothing measured decides."""
     import jax
 
     from s3djax import methods
@@ -97,4 +98,4 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
                "weights": [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(m.params)],
                "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("gamma", "max_draft", "lookup")}}
     return defaults.depth(method, build_at, setting, model=m.name, draft_path=opts.draft_path, greedy=ar.sampling.greedy,
-                          lookup_switch=lookup_switch(opts, method) if gives_way else 0, measure=measure)
+                          lookup_switch=lookup_switch(opts, method) if gives_way else 0, measure=measure, fixed=fixed)

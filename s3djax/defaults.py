@@ -1,11 +1,13 @@
 """Each method's defaults: chosen on the machine at hand where the speed model can decide, else from one data file.
 
-- **Chain depth** (s3d's gamma, lookup's max draft): `speed_model` pairs what each depth commits, recorded per
-  shipped draft on held-out prompts (configs/acceptance/MODEL.json, written by `train.acceptance`), with each
-  depth's step times measured here: the first time a method runs on a machine (one line says so), then cached per
-  machine, model and setting in the user's cache (`step-times.json`). `python -m infer.tune` measures on purpose.
+- **Chain depth** (s3d's gamma; lookup's, self-spec's, kangaroo's and s2d's max draft): `speed_model` pairs what
+  each depth commits, recorded per shipped draft on held-out prompts (configs/acceptance/MODEL.json, written by
+  `train.acceptance`), with each depth's step times measured here: the first time a method runs on a machine (one
+  line says so), then cached per machine, model and setting in the user's cache (`step-times.json`).
+  `python -m infer.tune` measures on purpose.
 - **Everything else**, and the depth where it cannot be measured (no record for the draft in use, `--tree`, or
-  S3DJAX_DEFAULTS=fixed): configs/defaults.yaml, by backend. docs/defaults.md says where each value was measured.
+  S3DJAX_DEFAULTS=fixed): configs/defaults.yaml, by backend, or the max draft a method's shipped file
+  records. docs/defaults.md says where each value was measured.
 
 S3DJAX_DEFAULTS: `measure` (the default), `again` (measure anew) or `fixed` (the data file alone).
 Flags always override.
@@ -32,7 +34,9 @@ from s3djax.registry import CONFIG_DIR
 ENV = "S3DJAX_DEFAULTS"
 MODES = ("measure", "again", "fixed")
 TABLE = "step-times.json"
-DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft"}  # the option each method's chain depth is
+# The option each method's chain depth is.
+DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft", "self-spec": "max_draft", "kangaroo": "max_draft",
+                "s2d": "max_draft"}
 # Step times are measured at this cache, this many tokens in (`measure_costs`); a draft step alone, in a compiled loop
 # of this many (in shorter loops a step timed slower).
 CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
@@ -232,20 +236,20 @@ class Choice:
 
 
 def depth(method: str, build, setting: dict, *, model: str, draft_path: str | None, greedy: bool,
-          lookup_switch: int = 0, measure: bool = True) -> Choice:
+          lookup_switch: int = 0, measure: bool = True, fixed: tuple[int, str] | None = None) -> Choice:
     """The chain depth for `method`: the speed model's best where a record and this machine's step times exist
-    (measuring them once where `measure`), else the data file's. `build(g)`: the method built at depth g with
-    everything else as it will run, its model draft always running; `setting`: what that build depends on besides
-    the depth, the step times' cache key."""
-    fixed = fallback("depth", method)
+    (measuring them once where `measure`), else `fixed`, (depth, where it comes from), by default the data file's.
+    `build(g)`: the method built at depth g with everything else as it will run, its model draft always running;
+    `setting`: what that build depends on besides the depth, the step times' cache key."""
+    g_fixed, source = fixed or (fallback("depth", method), "configs/defaults.yaml")
     if mode() == "fixed":
-        return Choice(fixed, f"configs/defaults.yaml: {ENV}=fixed")
+        return Choice(g_fixed, f"{source}: {ENV}=fixed")
     record = acceptance_record(model, method, draft_path, greedy, lookup_switch)
     if record is None:
-        return Choice(fixed, "configs/defaults.yaml: no acceptance record for this draft")
+        return Choice(g_fixed, f"{source}: no acceptance record for this draft")
     costs = step_costs(method, build, sorted(record), setting, measure=measure, record=record)
     if costs is None:
-        return Choice(fixed, "configs/defaults.yaml: step times not measured yet")
+        return Choice(g_fixed, f"{source}: step times not measured yet")
     g, predicted = speed_model.best_depth(record, costs)
     top = max(predicted, key=predicted.get)
     within = (f" (depth {top} {predicted[top]:.2f}x, within the timings' {costs['spread']:.0%} spread)"

@@ -32,9 +32,9 @@ class Options:
                                "the one the draft's file records, else chain), dynamic-N (s3d: the N likeliest paths "
                                "by the draft's joint probabilities, chosen every step), or a name in configs/trees (s3d)")
     draft_path: str | None = _option(ARTIFACT, flag="--draft", aliases=("--skip-plan",))
-    max_draft: int | None = _option("the deepest draft of self-spec, kangaroo and s2d (default: the one their file "
-                                    "records, else the paper's: 12 for self-spec, 6 for the others), and lookup "
-                                    "(default: chosen on this machine by the speed model)", int)
+    max_draft: int | None = _option("the deepest draft of self-spec, kangaroo, s2d and lookup (default: chosen on "
+                                    "this machine by the speed model; where it cannot be, the one their file records, "
+                                    "else the paper's, and lookup's from configs/defaults.yaml)", int)
     exit_layer: int | None = _option("kangaroo: the early-exit layer (default: the adapter's)", int)
     eta: float | None = _option("kangaroo: stop drafting at top-1 confidence <= eta (default: the adapter's, else the "
                                 "paper's 0.6)", float)

@@ -141,6 +141,17 @@ def test_a_record_is_used_only_for_its_own_draft_sampling_and_lookup_switch(mach
     assert defaults.depth("s3d", lambda g: None, setting(), model="m", draft_path=str(draft), greedy=True).costs is None
 
 
+def test_where_nothing_measured_decides_a_drafter_takes_the_depth_its_file_gives(machine, monkeypatch):
+    # An autoregressive drafter's shipped file records the max draft measured fastest where it was made: that stands
+    # in for the data file's depth, wherever the speed model cannot choose, and the stats line says where it came from.
+    fixed = (3, "the draft file's max draft")
+    for choice in (choose(lookup_switch=2, fixed=fixed), choose(setting("model B"), measure=False, fixed=fixed)):
+        assert choice.depth == 3 and choice.costs is None and choice.how.startswith("the draft file's max draft: ")
+    assert choose(fixed=fixed).depth == 2  # a record and step times: the machine's choice
+    monkeypatch.setenv(defaults.ENV, "fixed")
+    assert choose(fixed=fixed).how == f"the draft file's max draft: {defaults.ENV}=fixed"
+
+
 def test_loops_are_timed_in_turn_and_each_keeps_its_fastest_stretch():
     calls = []
 
@@ -184,12 +195,31 @@ def test_measuring_times_each_depths_own_loop_on_a_real_model():
     assert 0 <= measured["spread"] < 10  # the median of three timings against the fastest
 
 
+@pytest.mark.parametrize("method", ["self-spec", "kangaroo", "s2d"])
+def test_an_autoregressive_drafters_max_draft_is_measured_as_a_depth(method):
+    m = dataclasses.replace(tiny_model(), tokenizer=types.SimpleNamespace(pad_token_id=0))
+
+    def build(g):
+        return methods.build(method, m, max_cache_len=defaults.CACHE_LEN, draft_path="none", max_draft=g, lookup=1)
+    measured = defaults.measure_costs(method, build, [1, 2])
+    assert set(measured["draft"]) == set(measured["verify"]) == {1, 2}
+    # Each depth's step, its draft timed alone and taken out of it (`split_steps`).
+    assert all(0 <= measured["draft"][g] < measured["draft"][g] + measured["verify"][g] < 1 for g in (1, 2))
+
+
 @pytest.mark.slow
 def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(smollm2, tmp_path, monkeypatch):
-    # The shipped record (configs/acceptance/smollm2-135m.json) with step times that make 6 and 5 fastest.
+    # The shipped record (configs/acceptance/smollm2-135m.json) with step times that make these depths fastest, each
+    # another than the data file's or the shipped drafter file's.
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
     monkeypatch.setenv(defaults.ENV, "measure")
-    target = {"s3d": 6, "lookup": 5}
+    drafters = {"self-spec": 3, "kangaroo": 3, "s2d": 2}
+    for method, depth in drafters.items():  # where nothing is measured, the file's max draft, as before
+        monkeypatch.setenv(defaults.ENV, "fixed")
+        built = methods.build(method, smollm2, max_cache_len=256)
+        assert built.decoder.drafter.tree.depth != depth and "the draft file's max draft" in built.draft, built.draft
+        monkeypatch.setenv(defaults.ENV, "measure")
+    target = {"s3d": 6, "lookup": 5, **drafters}
     monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths, record: {
         "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths},
         "spread": 0.02})
@@ -201,4 +231,10 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
     for method, depth in target.items():
         built = methods.build(method, smollm2, max_cache_len=256)
         assert built.decoder.drafter.tree.depth == depth and "chosen on this machine" in built.draft, built.draft
-        assert Runner(built.decoder, built.params).generate(ids, 40).tokens == expected, method
+        if method not in drafters:  # their outputs at every depth: tests/test_self_spec.py and the others
+            assert Runner(built.decoder, built.params).generate(ids, 40).tokens == expected, method
+    # An option that changes what a drafter drafts leaves its record behind: the plan's or the file's depth, unchosen.
+    for method, options, depth in (("self-spec", {"skip": "13"}, 12), ("kangaroo", {"eta": 0.5}, 2),
+                                   ("s2d", {"thresholds": "0.5,0.5"}, 1)):
+        built = methods.build(method, smollm2, max_cache_len=256, **options)
+        assert built.decoder.drafter.tree.depth == depth and "chosen on this machine" not in built.draft, method

@@ -308,7 +308,8 @@ def test_the_shipped_adapter_brings_its_measured_eta_max_draft_and_tree(smollm2)
     # benchmarks/results/archive/kangaroo-eta-cpu-2026-11-24.md and lookup-drafters-cpu-2026-11-26/ measured these fastest,
     # the chain giving way to lookup on the CPU.
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.0, 2, 1)
-    assert "eta 0.0, max draft 2, tree chain" in built.draft and "lookup where 1+ tokens match" in built.draft
+    assert "eta 0.0, max draft 2 (the draft file's max draft" in built.draft and "tree chain" in built.draft
+    assert "lookup where 1+ tokens match" in built.draft
     drafter = methods.build("kangaroo", smollm2, max_cache_len=128, eta=0.5, max_draft=3, tree="chain").decoder.drafter
     assert (drafter.eta, drafter.tree.depth, drafter.tree.spine_width) == (0.5, 3, 1)  # the flags override the file
     # A file that records no tree drafts the chain (the S2D draft records none).

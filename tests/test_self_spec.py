@@ -143,7 +143,8 @@ def test_the_shipped_plan_brings_its_measured_max_draft(smollm2):
     built = methods.build("self-spec", smollm2, max_cache_len=128)
     # benchmarks/results/archive/lookup-drafters-cpu-2026-11-26/ measured it fastest, giving way to lookup (the CPU's default).
     assert built.decoder.drafter.tree.depth == 2
-    assert "max draft 2, tree chain, vocabulary 8192" in built.draft and built.draft.endswith("lookup where 1+ tokens match")
+    assert "max draft 2 (the draft file's max draft" in built.draft and "tree chain, vocabulary 8192" in built.draft
+    assert built.draft.endswith("lookup where 1+ tokens match")
     assert built.params[1]["head"].shape == (8192, smollm2.config.hidden_size)
     assert methods.build("self-spec", smollm2, max_cache_len=128, max_draft=3).decoder.drafter.tree.depth == 3
     assert methods.build("self-spec", smollm2, max_cache_len=128, skip="13").decoder.drafter.tree.depth == 12
@@ -181,7 +182,8 @@ def test_a_plan_file_takes_a_draft_vocabulary(smollm2, tmp_path):
     assert loaded == plan and record["max_draft"] == 2 and record["vocab_coverage"] == 1.0
     assert len(record["vocab"]) == 600 and set(np.unique(rows).tolist()) <= set(record["vocab"])
     built = methods.build("self-spec", smollm2, max_cache_len=128, draft_path=str(tmp_path / "vocab.yaml"))
-    assert built.draft.endswith("max draft 2, tree chain, vocabulary 600, draft weights int8, lookup where 1+ tokens match")
+    assert built.draft.endswith("tree chain, vocabulary 600, draft weights int8, lookup where 1+ tokens match")
+    assert "max draft 2 (" in built.draft
     assert built.params[1]["head"].shape == (600, 576)
     save_plan(str(tmp_path / "bad.yaml"), plan, {"vocab": [5, 49152]})
     with pytest.raises(UserError, match="token ids in 0..49151"):

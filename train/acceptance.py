@@ -3,7 +3,8 @@
     python -m train.acceptance [--model smollm2-135m] [--methods s3d,lookup] [--depths 1-8] [--limit 24]
 
 For every method and chain depth g, greedy and sampled (temperature 0.7, top-p 0.9), the method decodes the first
-`--limit` held-out ShareGPT first turns at depth g with its other options at their defaults, and the file records
+`--limit` held-out ShareGPT first turns at depth g with its other options at their defaults but the pause gate (off:
+a paused step is the machine's choice, and a record is what drafts commit where they run), and the file records
 tau (tokens committed per step) and the share of steps whose model draft ran (a chain that gives way to prompt
 lookup skips it). These do not depend on the machine: greedy output is the target's, and which source drafts depends
 on the tokens alone. `s3djax.defaults` pairs them with step times measured on the user's machine to choose the depth.
@@ -21,7 +22,9 @@ import sys
 
 from s3djax.cli import Parser, run
 
-METHODS = ("s3d", "lookup")
+from s3djax.defaults import DEPTH_OPTION
+
+METHODS = tuple(DEPTH_OPTION)  # every method whose chain depth the speed model chooses
 SAMPLED = dict(temperature=0.7, top_p=0.9)  # the usual chat settings, as the file records them
 
 
@@ -85,7 +88,7 @@ def main():
                 steps, lookup_steps = [], 0
                 for i, prompt in enumerate(prompts):
                     out_i = gen.generate(prompt["text"], args.max_new_tokens, method=method, seed=i, sampling=sampling,
-                                         **defaults.depth_options(method, g))
+                                         pause="off", **defaults.depth_options(method, g))
                     steps += out_i.stats["accepted_per_step"]
                     lookup_steps += out_i.stats.get("lookup_steps", 0 if method != "lookup" else
                                                     out_i.stats["verify_steps"])

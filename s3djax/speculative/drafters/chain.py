@@ -35,8 +35,24 @@ def spine(tree: str | None, max_draft: int | None, record: dict, paper_depth: in
     return tree
 
 
-def about_spine(tree: TreeSpec) -> str:
-    return f"max draft {tree.depth}, tree {tree.spine_name}"
+def chosen_spine(method: str, m, ar, opts, dtype: str, measure: bool, record: dict, paper_depth: int,
+                 as_recorded: bool = True):
+    """(`spine`, the `defaults.Choice` of its depth or None): a chain's max draft left unset is chosen on this machine
+    by the speed model (`built.chosen_depth`), else it is the draft file's measured fastest, else the paper's.
+    `as_recorded`: the drafter runs its file as its acceptance was recorded (no option that changes what it drafts
+    overrides the file), without which the record does not apply."""
+    from s3djax.built import chosen_depth
+
+    chosen = None
+    if opts.max_draft is None and (opts.tree or record.get("tree") or "chain") == "chain" and as_recorded:
+        fixed = (record["max_draft"], "the draft file's max draft") if record.get("max_draft") else \
+            (paper_depth, "the paper's max draft")
+        chosen = chosen_depth(method, m, ar, opts, dtype, measure, fixed=fixed)
+    return spine(opts.tree, opts.max_draft or (chosen and chosen.depth), record, paper_depth, method), chosen
+
+
+def about_spine(tree: TreeSpec, chosen=None) -> str:
+    return f"max draft {tree.depth}" + (f" ({chosen.how})" if chosen else "") + f", tree {tree.spine_name}"
 
 
 class ChainDrafter(Drafter):

@@ -40,7 +40,7 @@ from s3djax.model import Decoder, layer_key
 from s3djax.sampling import Sampling
 from s3djax.skip_plan import SkipPlan
 from s3djax.speculative import draft_vocab, draft_weights, verify
-from s3djax.speculative.drafters.chain import ChainDrafter, about_spine, spine
+from s3djax.speculative.drafters.chain import ChainDrafter, about_spine, chosen_spine
 from s3djax.speculative.tree import TreeArrays, TreeSpec
 
 
@@ -254,8 +254,9 @@ def build(m, ar, opts, dtype: str, measure: bool):
     if not 0 <= eta <= 1:
         raise UserError(f"--eta must be in [0, 1], got {eta}")
     # Likewise the tree and the deepest draft: the file's measured fastest, else the paper's chain of 6.
-    tree = spine(opts.tree, opts.max_draft, meta, 6, "kangaroo")
+    tree, chosen = chosen_spine("kangaroo", m, ar, opts, dtype, measure, meta, 6,
+                                 as_recorded=opts.eta is None)
     drafter = KangarooDrafter(config, tree, exit_layer, eta)
     return Built(SpecDecoder.create(ar, drafter), (m.params, adapter), warnings,
-                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, {about_spine(tree)}"
-                 + draft_vocab.about(meta) + draft_weights.about(adapter, m.params))
+                 f"adapter {about_file(path, meta)}, exit layer {exit_layer}, eta {eta}, {about_spine(tree, chosen)}"
+                 + draft_vocab.about(meta) + draft_weights.about(adapter, m.params), chosen)

@@ -69,7 +69,7 @@ def build(m, ar, opts, dtype: str, measure: bool):
     target itself: the loaded model, or with opts.target_from's full-mode S3D layers in place."""
     from s3djax.loading import DTYPES
     from s3djax.speculative.draft_params import load_artifact
-    from s3djax.speculative.drafters.chain import about_spine, spine
+    from s3djax.speculative.drafters.chain import about_spine, chosen_spine
     from s3djax.speculative.loop import SpecDecoder
 
     path, warnings = opts.draft_path, []
@@ -111,15 +111,17 @@ def build(m, ar, opts, dtype: str, measure: bool):
                                  plan=SkipPlan.skipping_layers(n, range(exits[-1], n)), fold=True)
 
     # The draft file may carry the tree and deepest draft measured fastest; the paper's chain of 6 otherwise.
-    tree = spine(opts.tree, opts.max_draft, meta, 6, "s2d")
+    tree, chosen = chosen_spine("s2d", m, ar, opts, dtype, measure, meta, 6,
+                                 as_recorded=not (opts.thresholds or opts.target_from))
     drafter = S2DDrafter(m.config, tree, exits)
     if full_mode:
         warnings.append(f"verifying with {opts.target_from}'s fine-tuned layers, not the original weights")
     about = (f"nested draft {about_file(path if path != 'none' else None, meta)}, exits {','.join(map(str, exits))}, "
-             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree)}, extra draft memory "
+             f"thresholds {','.join(f'{t:g}' for t in thresholds)} ({source}), {about_spine(tree, chosen)}, "
+             f"extra draft memory "
              f"{extra_bytes(params, draft) / 2**20:.1f} MiB" + draft_vocab.about(meta)
              + draft_weights.about(draft, m.params))
-    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about)
+    return Built(SpecDecoder.create(ar, drafter), (params, draft), warnings, about, chosen)
 
 
 def _fits(lora, layers) -> bool:

@@ -123,7 +123,7 @@ def build(m, ar, opts, dtype: str, measure: bool):
     from s3djax.built import Built
     from s3djax.loading import DTYPES
     from s3djax.speculative import draft_vocab
-    from s3djax.speculative.drafters.chain import about_spine, spine
+    from s3djax.speculative.drafters.chain import about_spine, chosen_spine
     from s3djax.speculative.drafters.s3d import default_plan
     from s3djax.speculative.loop import SpecDecoder
 
@@ -137,10 +137,11 @@ def build(m, ar, opts, dtype: str, measure: bool):
         warnings.append("no searched skip plan: skipping the middle layers (python -m train.search_skip finds one)")
     # The plan file's tree and max draft where it records them (the shipped plan's: measured fastest), else the
     # paper's chain of 12.
-    tree = spine(opts.tree, opts.max_draft, meta, 12, "self-spec")
+    tree, chosen = chosen_spine("self-spec", m, ar, opts, dtype, measure, meta, 12,
+                                 as_recorded=not opts.skip)
     drafter = SelfSpecDrafter(m.config, plan, tree)
     draft = draft_weights.attach(draft_vocab.attach({}, meta, m.params), m.params, opts.draft_weights, DTYPES[dtype],
                                  plan=plan)
     return Built(SpecDecoder.create(ar, drafter), (m.params, draft), warnings,
-                 f"skip {plan.spec()} ({about}), {about_spine(tree)}" + draft_vocab.about(meta)
-                 + draft_weights.about(draft, m.params))
+                 f"skip {plan.spec()} ({about}), {about_spine(tree, chosen)}" + draft_vocab.about(meta)
+                 + draft_weights.about(draft, m.params), chosen)
