@@ -16,7 +16,7 @@ import os
 
 from s3djax.cli import Parser, run
 
-from s3djax.defaults import DEPTH_OPTION
+from s3djax.speed_model import DEPTH_OPTION
 
 METHODS = tuple(DEPTH_OPTION)
 

@@ -34,9 +34,6 @@ from s3djax.registry import CONFIG_DIR
 ENV = "S3DJAX_DEFAULTS"
 MODES = ("measure", "again", "fixed")
 TABLE = "step-times.json"
-# The option each method's chain depth is.
-DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft", "self-spec": "max_draft", "kangaroo": "max_draft",
-                "s2d": "max_draft"}
 # Step times are measured at this cache, this many tokens in (`measure_costs`); a draft step alone, in a compiled loop
 # of this many (in shorter loops a step timed slower).
 CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
@@ -71,7 +68,7 @@ def mode() -> str:
 
 def depth_options(method: str, g: int) -> dict:
     """Build options for `method` at chain depth g."""
-    return {DEPTH_OPTION[method]: g}
+    return {speed_model.DEPTH_OPTION[method]: g}
 
 
 # ------------------------------------------------------------------------------ what each depth commits

@@ -12,6 +12,11 @@ at hand (`s3djax.defaults`).
 
 from __future__ import annotations
 
+# The methods whose chain depth the model chooses, and the option that depth is. Here, where nothing is imported, so
+# that a command line can name them before it imports JAX.
+DEPTH_OPTION = {"s3d": "gamma", "lookup": "max_draft", "self-spec": "max_draft", "kangaroo": "max_draft",
+                "s2d": "max_draft"}
+
 
 def step_s(costs: dict, g: int, model_drafts: float) -> float:
     """Seconds a step at depth g costs: costs = {"draft": {g: s}, "verify": {g: s}}."""

@@ -214,11 +214,11 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
     monkeypatch.setenv(defaults.ENV, "measure")
     drafters = {"self-spec": 3, "kangaroo": 3, "s2d": 2}
+    monkeypatch.setenv(defaults.ENV, "fixed")
     for method, depth in drafters.items():  # where nothing is measured, the file's max draft, as before
-        monkeypatch.setenv(defaults.ENV, "fixed")
         built = methods.build(method, smollm2, max_cache_len=256)
         assert built.decoder.drafter.tree.depth != depth and "the draft file's max draft" in built.draft, built.draft
-        monkeypatch.setenv(defaults.ENV, "measure")
+    monkeypatch.setenv(defaults.ENV, "measure")
     target = {"s3d": 6, "lookup": 5, **drafters}
     monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths, record: {
         "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths},

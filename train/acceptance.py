@@ -22,7 +22,7 @@ import sys
 
 from s3djax.cli import Parser, run
 
-from s3djax.defaults import DEPTH_OPTION
+from s3djax.speed_model import DEPTH_OPTION
 
 METHODS = tuple(DEPTH_OPTION)  # every method whose chain depth the speed model chooses
 SAMPLED = dict(temperature=0.7, top_p=0.9)  # the usual chat settings, as the file records them
