@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import batching
 from cpu_kernels.matmul import ATTENTION_TARGET
 
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -47,5 +48,7 @@ def attention(q, k, v, lengths, tree, scale: float):
                          f"uint16 holding bfloat16 bits; q of one float dtype) with KV dividing H, and tree [B, T, W]; "
                          f"got {q.dtype.name} {q.shape}, {k.dtype.name} {k.shape}, {v.dtype.name} {v.shape}, "
                          f"tree {tree.shape}")
-    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")(
-        q, k, v, lengths.astype(jnp.int32), tree.astype(bool), scale=np.float32(scale))
+    def call(q, k, v, lengths, tree):
+        return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+            q, k, v, lengths, tree, scale=np.float32(scale))
+    return batching.folded(call, (True,) * 5)(q, k, v, lengths.astype(jnp.int32), tree.astype(bool))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import batching
 from cpu_kernels.build import LIBRARY
 
 TARGET = "s3djax_matmul"
@@ -170,8 +171,10 @@ def _call(x, w, scale, layout: str):
     n = w.shape[0] if layout == "nk" else w.shape[1]
     x2 = x.reshape(-1, k).astype(jnp.float32)
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
-    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")(
-        x2, w, scale, layout=np.int32(LAYOUTS.index(layout)), x_bf16=np.int32(x.dtype == jnp.bfloat16))
+    def call(x2, w, scale):
+        return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+            x2, w, scale, layout=np.int32(LAYOUTS.index(layout)), x_bf16=np.int32(x.dtype == jnp.bfloat16))
+    out = batching.folded(call, (True, False, False))(x2, w, scale)
     return out.reshape(*lead, n)
 
 

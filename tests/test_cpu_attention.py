@@ -98,3 +98,28 @@ def test_handler_refuses_bad_buffers_without_crashing():
     with pytest.raises(Exception, match="wider than 16 vectors"):
         wide = jnp.ones((1, 1, 1, 1024)), jnp.ones((1, 4, 1, 1024))
         jax.block_until_ready(call(wide[0], wide[1], wide[1], lengths, tree[:, :1], scale=np.float32(0.1)))
+
+
+def test_vmap_folds_into_one_call_that_equals_each_element_alone():
+    """Both kernels vmapped (a batch of decoders, as the chi-square tests run thousands): one native call, not a
+    loop of them, bit-identical to each element run alone, mapped operands or broadcast ones; a product whose
+    weights are mapped maps them one at a time."""
+    q, k, v, lengths, tree = (jnp.stack(xs) for xs in zip(*(inputs(2, 3, 4, 2, 16, 20, 3, jnp.float32, seed=s)
+                                                              for s in range(3))))
+    mapped = jax.jit(jax.vmap(lambda q, k, v, n, t: ca.attention(q, k, v, n, t, 0.25), (0, 0, 0, 0, None)))
+    text = mapped.lower(q, k, v, lengths, tree[0]).as_text()
+    assert text.count(ca.ATTENTION_TARGET) == 1 and "stablehlo.while" not in text
+    got = mapped(q, k, v, lengths, tree[0])
+    for i in range(3):
+        assert (np.asarray(got[i]) == np.asarray(attend(q[i], k[i], v[i], lengths[i], tree[0], 0.25))).all()
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 64)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64, 40)), jnp.float32)
+    product = jax.jit(lambda x, w: cm.matmul(x, w))
+    for weights, axes in ((w[0], (0, None)), (w, (0, 0))):
+        both = jax.jit(jax.vmap(lambda x, w: cm.matmul(x, w), axes))
+        got = both(x, weights)
+        text = both.lower(x, weights).as_text()
+        assert text.count(cm.TARGET) == 1 and ("stablehlo.while" in text) == (weights.ndim == 3)
+        for i in range(3):
+            assert (np.asarray(got[i]) == np.asarray(product(x[i], weights if weights.ndim == 2 else weights[i]))).all()
