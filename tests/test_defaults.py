@@ -212,7 +212,6 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
     # The shipped record (configs/acceptance/smollm2-135m.json) with step times that make these depths fastest, each
     # another than the data file's or the shipped drafter file's.
     monkeypatch.setenv("S3DJAX_CACHE", str(tmp_path))
-    monkeypatch.setenv(defaults.ENV, "measure")
     drafters = {"self-spec": 3, "kangaroo": 3, "s2d": 2}
     monkeypatch.setenv(defaults.ENV, "fixed")
     for method, depth in drafters.items():  # where nothing is measured, the file's max draft, as before
