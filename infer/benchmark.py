@@ -57,10 +57,10 @@ def parse_args(argv=None):
     p.add_argument("--attention", choices=("xla", "pallas"), help="default: pallas on a GPU, xla elsewhere")
     p.add_method_options(several=True)
     p.add_sampling()
-    p.add_argument("--batch", type=int, default=1, help="prompts decoded together: ar runs them as one batch (each "
-                   "row's tokens/s being its share of the batch's time); the speculative methods draft one prompt "
-                   "after another, what drafting in a batch would cost them (a Generator decodes a batch by the "
-                   "target's own steps), and the peers run one after another")
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together as one batch (each row's tokens/s "
+                   "being its share of the batch's time), every method drafting in it, each row on its own cursor (a "
+                   "Generator drafts in a batch where the speed model predicts it pays); the peers run one after "
+                   "another")
     p.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     p.add_argument("--exit-layers", default="", help="hf-early-exit: exit layers to tune over (default: a few)")
     p.add_argument("--out", required=True, help="folder for results.json, results.md and the plots")
@@ -214,8 +214,8 @@ class JaxMethod(Method):
         return joined(rows)
 
     def batch(self, rows, n):
-        """One batch where the decoder takes one (ar), each row charged its share of the batch's decode time."""
-        if len(rows) == 1 or self.depth:
+        """One batch, each row charged its share of the batch's decode time."""
+        if len(rows) == 1:
             return super().batch(rows, n)
         return [{**self.row(r), "decode_s": r.decode_s / len(rows)}
                 for r in self.runner.generate_batch(rows, n, seed=self.seed)]
@@ -439,8 +439,8 @@ def markdown(record: dict) -> str:
              f"weights {record['quant']}, attention {s['attention']}"
              + (f"; s3d: gamma {s['gamma']}, tree {s['tree'] or 'chain'}" if s["gamma"] is not None else ""),
              *([f"- {s['rounds']} rounds over the prompts (prompts counts every run)"] if s.get("rounds", 1) > 1 else []),
-             *([f"- batches of {batch} prompts: ar decodes each as one batch, every other method one prompt after "
-                "another; tokens/s is over the batches' decode time"] if batch > 1 else []),
+             *([f"- batches of {batch} prompts: each of our methods decodes each as one batch, drafting in it; the "
+                "peers one prompt after another; tokens/s is over the batches' decode time"] if batch > 1 else []),
              *[f"- {name}: {about}" for name, about in record["methods"].items() if about],
              *[f"- note: {n}" for n in record["notes"]], "",
              "tokens/s: new tokens after the first over decode time, pooled over prompts; speedup: against `ar` "

@@ -166,7 +166,8 @@ class Runner:
 
     def _compiled(self, name: str, fn, *args):
         options = compile_options.for_step(self.params)
-        key = (self.decoder, name, signature((self.params, *args)), tuple(sorted(options.items())))
+        key = (getattr(fn, "__self__", self.decoder), name, signature((self.params, *args)),  # a batch's decoder
+               tuple(sorted(options.items())))
         if key in _EXECUTABLES:
             _EXECUTABLES.move_to_end(key)
             return _EXECUTABLES[key], 0.0
@@ -225,9 +226,10 @@ class Runner:
             return begin(self.params, carry, hidden, lengths, key)
         return run, compile_s + c
 
-    def prefill(self, prompt_ids: list[int], seed: int = 0):
-        """The decode state right after the prompt (for profiling steps on a real cache)."""
-        return self._prefiller(prompt_ids, seed)[0]()
+    def prefill(self, prompt_ids: list[int], seed: int = 0, rows: int = 1):
+        """The decode state right after the prompt (for profiling steps on a real cache), in `rows` rows."""
+        state = self._prefiller(prompt_ids, seed)[0]()
+        return stack_rows([state] * rows, row_axes(self.decoder, self.params) if rows > 1 else None)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16,
@@ -269,12 +271,13 @@ class Runner:
 
     def _run(self, prompts: list[list[int]], max_new_tokens: int, seed: int, chunk: int | None,
              prior: tuple[dict, int] | None = None, keep: bool = False):
-        d = self.decoder
+        d = self.decoder.for_rows(len(prompts)) if hasattr(self.decoder, "for_rows") else self.decoder
         budgets = [min(max_new_tokens, d.max_cache_len - len(ids)) for ids in prompts]
         starts = [self._prefiller(ids, seed + i, prior) for i, ids in enumerate(prompts)]  # compiled before the clock
         compile_s = sum(c for _, c in starts)
+        axes = row_axes(d, self.params) if len(prompts) > 1 else None
         t = time.perf_counter()
-        state = stack_rows([run() for run, _ in starts])
+        state = stack_rows([run() for run, _ in starts], axes)
         state = {**state, **{k: jnp.asarray(v) for k, v in self.overrides.items()}}  # fresh: the loop donates them
         eos = set(getattr(d, "ar", d).eos_ids)
 
@@ -285,14 +288,16 @@ class Runner:
         ttft = time.perf_counter() - t
         if chunk:
             yield first
-        stop = jnp.int32(0)
-        decode, c = self._compiled("decode", d.decode, state, stop)
+        # A speculative batch stops each row at its own budget (its rows commit at their own pace).
+        def stop_at(n):
+            return jnp.asarray(np.minimum(budgets, n), jnp.int32) if rowwise else jnp.int32(n)
+        rowwise = hasattr(d, "for_rows") and len(prompts) > 1
+        decode, c = self._compiled("decode", d.decode, state, stop_at(0))
         compile_s += c
         t = time.perf_counter()
         step, done, most = 1, bool(np.asarray(state["done"]).all()), max(budgets)
         while step < most and not done:
-            stop_at = min(most, step + chunk) if chunk else most
-            state = decode(self.params, state, jnp.int32(stop_at))
+            state = decode(self.params, state, stop_at(min(most, step + chunk) if chunk else most))
             new_step = int(state["step"])
             done = bool(np.asarray(state["done"]).all()) or new_step == step
             step = new_step
@@ -300,16 +305,27 @@ class Runner:
                 yield new(step)
         decode_s = time.perf_counter() - t
         # A speculative step may emit past the budget; the extra tokens are dropped.
-        stats = d.stats(state) if hasattr(d, "stats") else {}
+        stats = [d.stats(state, i) if len(prompts) > 1 else d.stats(state) for i in range(len(prompts))] \
+            if hasattr(d, "stats") else [{}] * len(prompts)
         return [Result(tokens=tokens, prompt_tokens=len(ids), compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
-                       stats=stats, state=state if keep else None) for tokens, ids in zip(new(step), prompts)]
+                       stats=st, state=state if keep else None) for tokens, ids, st in zip(new(step), prompts, stats)]
 
 
-def stack_rows(states: list[dict]) -> dict:
-    """One batch state from one-row states: arrays with a batch axis are stacked on it; the step counter, the key
-    and the rest are the first row's."""
+def row_axes(decoder, params) -> dict:
+    """Which leaves of `decoder`'s decode state have a row axis (leading): those whose shape differs between a state
+    of one row and one of two."""
+    config = getattr(decoder, "ar", decoder).config
+
+    def state(b):
+        hidden, lengths = jnp.zeros((b, config.hidden_size), jnp.float32), jnp.ones((b,), jnp.int32)
+        return jax.eval_shape(lambda p: decoder.begin(p, decoder.empty(p, b), hidden, lengths, jax.random.key(0)),
+                              params)
+    return jax.tree.map(lambda one, two: one.shape != two.shape, state(1), state(2))
+
+
+def stack_rows(states: list[dict], axes: dict | None) -> dict:
+    """One batch state from one-row states: the leaves with a row axis (`row_axes`) are joined on it; the step
+    counter, the key and the rest are the first row's."""
     if len(states) == 1:
         return states[0]
-    batched = {"tokens", "cache", "last", "length", "done"}
-    return {k: jax.tree.map(lambda *a: jnp.concatenate(a, 0), *[s[k] for s in states]) if k in batched else v
-            for k, v in states[0].items()}
+    return jax.tree.map(lambda rows, *a: jnp.concatenate(a, 0) if rows else a[0], axes, *states)

@@ -230,6 +230,8 @@ class Choice:
     how: str                             # for the stats line
     predicted: dict | None = None        # {g: predicted speedup against ar}
     costs: dict | None = None            # step times measured here
+    record: dict | None = None           # {g: {tau, model_drafts}}: what each depth commits
+    key: str | None = None               # the step times' cache key: the machine, method and setting
 
 
 def depth(method: str, build, setting: dict, *, model: str, draft_path: str | None, greedy: bool,
@@ -251,4 +253,53 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
     top = max(predicted, key=predicted.get)
     within = (f" (depth {top} {predicted[top]:.2f}x, within the timings' {costs['spread']:.0%} spread)"
               if top != g else "")
-    return Choice(g, f"chosen on this machine, predicted {predicted[g]:.2f}x ar{within}", predicted, costs)
+    return Choice(g, f"chosen on this machine, predicted {predicted[g]:.2f}x ar{within}", predicted, costs, record,
+                  _key(method, setting))
+
+
+# ------------------------------------------------------------------------------ whether a batch drafts
+
+BATCH_TABLE = "batch-step-times.json"
+
+
+def _valid_batch(entry) -> bool:
+    return all(isinstance(entry.get(k), float) for k in ("ar", "step", "spread"))
+
+
+def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, *, measure: bool = True) -> tuple[bool, str]:
+    """(whether a batch of `rows` prompts drafts, why): a step of every row costs more than one row's, and `ar`'s
+    batch reads its weights once for all rows, so drafting pays less in a batch (docs/sampling.md#batches). The speed
+    model weighs it as at one row: what the chosen depth commits a row (its record) against the step times of both
+    loops at `rows` rows, timed here in turn (`spec` and `ar`: the method's and the target's Runners as the batch
+    will run them), once per machine and setting (`batch-step-times.json`). It drafts where that predicts it faster
+    than `ar` by more than the timings' spread; where nothing measured decides, a batch takes the target's own
+    steps."""
+    g = getattr(getattr(spec.decoder, "drafter", None), "tree", None)
+    g = g.depth if g is not None else None
+    if mode() == "fixed" or chosen is None or not chosen.record or g not in chosen.record or chosen.key is None:
+        return False, "a batch takes the target's own steps: nothing measured for a batch of this method"
+    k = _key(method, {"depth": chosen.key, "g": g, "rows": rows, "cache": spec.decoder.max_cache_len})
+    table = user_cache.read_table(BATCH_TABLE, _valid_batch)
+    if k not in table or mode() == "again":
+        if not measure:
+            return False, "a batch takes the target's own steps: its step times not measured yet"
+        print(f"measuring {method}'s step times in a batch of {rows} on this machine (once)...", file=sys.stderr,
+              flush=True)
+        from s3djax.decode import Runner
+        from s3djax.speculative.profile import alternate
+
+        prompt, decoder = [(7 * i) % 1000 + 100 for i in range(CONTEXT)], spec.decoder.for_rows(rows)
+        batch = Runner(decoder, spec.params)
+        state = batch.prefill(prompt, rows=rows)
+        if decoder.drafter.force is not None:  # every step drafts by the model, as at one row (`measure_costs`)
+            state = {**state, "drafter": decoder.drafter.force(state["drafter"], False)}
+        (ar_s, _), (step_s, spread) = alternate([loop_timer(ar, prompt, ar.prefill(prompt, rows=rows)),
+                                                 loop_timer(batch, prompt, state, "iteration")])
+        table[k] = {"ar": ar_s, "step": step_s, "spread": spread, "rows": rows, "method": method,
+                    "device": device.describe(), "date": datetime.date.today().isoformat()}
+        user_cache.write_table(BATCH_TABLE, table)
+    entry = table[k]
+    predicted = chosen.record[g]["tau"] * entry["ar"] / entry["step"]
+    drafts = predicted * (1 - entry["spread"]) > 1.0
+    verdict = "drafts" if drafts else "takes the target's own steps"
+    return drafts, f"a batch of {rows} {verdict}: drafting predicted {predicted:.2f}x ar's batch on this machine"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Iterator
 
-from s3djax import device, methods, quant
+from s3djax import defaults, device, methods, quant
 from s3djax.built import Built
 from s3djax.config import ATTENTION_IMPLS, default_attention
 from s3djax.decode import Result, Runner
@@ -229,8 +229,9 @@ class Generator:
                  **options) -> Output | list[Output]:
         """The completion of one prompt, or of each prompt in a list, decoded as one batch: each row greedy-identical
         to its prompt alone, an Output's tokens_per_s its row's and stats["batch_tokens_per_s"] the whole batch's.
-        A batch is decoded by the target's own steps whatever the method, since drafting stops paying there: drafting
-        one prompt at a time measured slower than the batch of plain steps (docs/sampling.md#batches)."""
+        A batch drafts, each row on its own cursor, where the speed model measured here predicts that faster than the
+        target's own steps for the batch, else it takes those (`defaults.batch_choice`; stats["batch_drafting"] says
+        which and why)."""
         if not isinstance(prompt, (list, tuple)):
             session, ids = self._start(prompt, max_new_tokens, method, chat_template, sampling, options)
             return self._output(session, session.runner.generate(ids, max_new_tokens, seed=seed))
@@ -240,14 +241,21 @@ class Generator:
             return [self.generate(prompt[0], max_new_tokens, method=method, seed=seed, chat_template=chat_template,
                                   sampling=sampling, **options)]
         self.check(method=method, sampling=sampling, **options)  # the method's options are still the user's to get right
-        plain = (method or self.method) != "ar"  # then the target alone: no draft's skip plan
-        starts = [self._start(p, max_new_tokens, "ar", chat_template, sampling, {} if plain else options,
-                              defaults=not plain) for p in prompt]
+        name, drafts, how = method or self.method, False, ""
+        if name != "ar":
+            spec = self.session(name, sampling=sampling, **options)
+            drafts, how = defaults.batch_choice(name, spec.built.chosen, spec.runner,
+                                                self.session("ar", sampling=sampling, defaults=False).runner,
+                                                len(prompt))
+        plain = name != "ar" and not drafts  # then the target alone: no draft's skip plan
+        starts = [self._start(p, max_new_tokens, name if drafts else "ar", chat_template, sampling,
+                              {} if plain else options, defaults=not plain) for p in prompt]
         session, rows = starts[0][0], [ids for _, ids in starts]
         results = session.runner.generate_batch(rows, max_new_tokens, seed=seed)
         total = sum(max(len(r.tokens) - 1, 0) for r in results) / results[0].decode_s if results[0].decode_s else 0.0
         for r in results:
-            r.stats = {**r.stats, "batch": len(results), "batch_tokens_per_s": total}
+            r.stats = {**r.stats, "batch": len(results), "batch_tokens_per_s": total,
+                       **({"batch_drafting": how} if how else {})}
         return [self._output(session, r) for r in results]
 
     def stream(self, prompt: str, max_new_tokens: int = 128, *, method: str | None = None, sampling: Sampling = GREEDY,

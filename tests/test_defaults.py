@@ -237,3 +237,26 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
                                    ("s2d", {"thresholds": "0.5,0.5"}, 1)):
         built = methods.build(method, smollm2, max_cache_len=256, **options)
         assert built.decoder.drafter.tree.depth == depth and "chosen on this machine" not in built.draft, method
+
+
+def test_a_batch_drafts_only_where_the_speed_model_predicts_it_beats_ars_batch(machine, monkeypatch, capsys):
+    m = dataclasses.replace(tiny_model(), tokenizer=types.SimpleNamespace(pad_token_id=0))
+    built, ar = (methods.build(name, m, max_cache_len=512, **kw)
+                 for name, kw in (("s3d", dict(draft_path="none", gamma=2, lookup=0)), ("ar", {})))
+    spec, plain = Runner(built.decoder, built.params), Runner(ar.decoder, ar.params)
+    # A depth that commits far more than a batch's step costs drafts; one committing less than a token does not.
+    sure = defaults.Choice(2, "chosen", record={2: {"tau": 50.0, "model_drafts": 1.0}}, key="setting")
+    drafts, how = defaults.batch_choice("s3d", sure, spec, plain, 4)
+    assert drafts and how.startswith("a batch of 4 drafts: drafting predicted")
+    assert "measuring s3d's step times in a batch of 4" in capsys.readouterr().err
+    poor = dataclasses.replace(sure, record={2: {"tau": 0.5, "model_drafts": 1.0}})
+    assert defaults.batch_choice("s3d", poor, spec, plain, 4)[0] is False
+    assert capsys.readouterr().err == ""  # the batch's step times came from the cache
+    entry = next(iter(json.load(open(user_cache.path(defaults.BATCH_TABLE))).values()))
+    assert entry["rows"] == 4 and 0 < entry["ar"] < entry["step"] < 1
+    # Where nothing measured decides (no record for the depth built, S3DJAX_DEFAULTS=fixed): the target's own steps.
+    assert defaults.batch_choice("s3d", None, spec, plain, 4)[0] is False
+    assert defaults.batch_choice("s3d", dataclasses.replace(sure, record={3: sure.record[2]}), spec, plain, 4)[0] is False
+    monkeypatch.setenv(defaults.ENV, "fixed")
+    assert defaults.batch_choice("s3d", sure, spec, plain, 4) == (
+        False, "a batch takes the target's own steps: nothing measured for a batch of this method")

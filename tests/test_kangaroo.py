@@ -79,6 +79,21 @@ def test_greedy_kangaroo_equals_ar_on_tiny_models(config, exit_layer, tree, eta)
     assert accepted > 5  # drafts were accepted, so commit paths of every length ran
 
 
+def test_a_batch_drafted_by_kangaroo_and_lookup_decodes_each_row_as_alone():
+    # Lookup drafts a batch's step only where every row matches: Kangaroo's verification reads the exit states its
+    # own draft left, so a row given way to while the others drafted by the model would verify stale ones.
+    # A random adapter drafts other tokens than lookup's, so stale exit states would verify wrong ones.
+    params = random_params(LLAMA, 0)
+    adapter = noisy(init_adapter(params, LLAMA, 1), 1, 0.3)
+    prompts = [[5], list(range(10, 20)) * 3, list(range(30, 50)), list(range(10, 20)) * 2]
+    decoder = spec_decoder(LLAMA, 1, TreeSpec.chain(3))
+    runner = Runner(SpecDecoder.create(decoder.ar, WithLookup(decoder.drafter, 2)), (params, adapter))
+    want = [ar_runner(LLAMA, params).generate(p, 40).tokens for p in prompts]
+    batch = runner.generate_batch(prompts, 40)
+    assert [r.tokens for r in batch] == want
+    assert sum(sum(r.stats["accepted_per_step"]) for r in batch) > 0
+
+
 def test_a_draft_vocabulary_keeps_kangaroo_lossless():
     # The adapter drafts over every other token: the target's odd tokens can never be drafted.
     config, exit_layer, tree = LLAMA, 1, TreeSpec.spine(3, 2)

@@ -15,7 +15,7 @@ from scipy import stats
 
 from s3djax import model
 from s3djax.config import ModelConfig
-from s3djax.decode import ARDecoder, Runner
+from s3djax.decode import ARDecoder, Runner, row_axes, stack_rows
 from s3djax import sampling as sampling_module
 from s3djax.sampling import Sampling
 from s3djax.sampling import process_logits_reference as process_logits
@@ -87,7 +87,11 @@ def sampled_joint(params, decoder, draft, **overrides) -> np.ndarray:
         state = {**decoder.start(both, prompt, lengths, key), **{k: jnp.asarray(v) for k, v in overrides.items()}}
         state = decoder.decode(both, state, jnp.int32(3))
         return state["tokens"][0, :3]
+    return joint_counts(three)
 
+
+def joint_counts(three) -> np.ndarray:
+    """Counts [V, V, V] of `three(key)`'s three tokens over SAMPLES keys, in one vmapped call."""
     tokens = np.asarray(jax.jit(jax.vmap(three))(jax.random.split(jax.random.key(0), SAMPLES)))
     v = SMALL.vocab_size
     return np.bincount((tokens[:, 0] * v + tokens[:, 1]) * v + tokens[:, 2], minlength=v ** 3).reshape(v, v, v)
@@ -139,6 +143,20 @@ def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
     assert chi_square_p(counts, exact_joint(sampling)) > SIGNIFICANCE
+
+
+def test_a_row_of_a_batch_samples_the_target_distribution(params):
+    # The prompt's row beside another at its own cursor (a longer prompt, its own draws, a later stop): a batch's
+    # step drafts and verifies both rows, and each commits what it accepted.
+    decoder, plan = spec_decoder(SHAPED, "tree-8")
+    both, other = (params, init_draft(params, SMALL, plan)), [2, 9, 4, 4, 8, 1, 6]
+    axes = row_axes(decoder, both)
+
+    def three(key):
+        rows = [decoder.start(both, jnp.asarray([p], jnp.int32), jnp.asarray([len(p)], jnp.int32), k)
+                for p, k in zip((other, PROMPT), jax.random.split(key))]
+        return decoder.decode(both, stack_rows(rows, axes), jnp.asarray([6, 3], jnp.int32))["tokens"][1, :3]
+    assert chi_square_p(joint_counts(three), exact_joint(SHAPED)) > SIGNIFICANCE
 
 
 def test_a_draft_vocabulary_samples_the_target_distribution(params):

@@ -213,7 +213,7 @@ def test_the_draft_cache_is_a_full_depth_prefill_at_committed_slots_and_holes_ar
         _, state = generate(spec, (params, draft), prompt, steps)
         d, length = state["drafter"][0] if lookup else state["drafter"], int(state["length"][0])
         # The previous step's block 0 recomputed everything up to its root at full depth.
-        last = int(state["accepted_log"][int(state["iteration"]) - 1])
+        last = int(state["accepted_log"][0, int(state["iteration"]) - 1])
         done = length - last - 1
         ref = prefill(params, draft, d["history"][:, :done + 1], state["cache"])
         for layer, want in zip(d["cache"], ref["cache"]):

@@ -2,7 +2,9 @@
 
 `SpecDecoder` has the same start/decode/check_prompt interface as `ARDecoder`, so the host
 `Runner` times and streams it the same way. Its params are the pair (target params, draft params).
-Batch size is 1: rows accept different numbers of tokens, and the loop keeps one output cursor.
+A batch decodes each row on its own cursor: a step drafts and verifies every row together (one forward of all
+their rows), and each row commits what it accepted; a row that has ended (EOS, or its cache full) still computes in
+the step but commits nothing, writing only past its own committed length, which nothing reads.
 
 The cache has `slack` slots past --max-cache-len, so a draft block and a tree always fit; the loop
 stops where `ar` would (the committed length reaching max_cache_len), and the Runner's cap on new
@@ -18,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from s3djax.decode import ARDecoder, last_real
-from s3djax.errors import UserError
 
 # The pause gate: the latest verify step's weight in the running acceptance (drafts accepted per step), and the most
 # steps in a row that may pause before one drafts again to see whether drafts pay once more. A probe comes after 1
@@ -100,9 +101,14 @@ class SpecDecoder:
     def check_prompt(self, n: int) -> None:
         self.ar.check_prompt(n)
 
+    def for_rows(self, n: int) -> "SpecDecoder":
+        """The decoder for a batch of n rows: the pause gate weighs one row's acceptance, so a batch drafts every step
+        (whether a batch drafts at all is chosen for its size, `defaults`)."""
+        return self if n == 1 else dataclasses.replace(self, gate=False)
+
     def empty(self, params, batch: int) -> dict:
-        if batch != 1:
-            raise UserError("speculative decoding runs one sequence at a time")
+        if batch != 1 and self.gate:
+            raise ValueError("the pause gate weighs one row: a batch decodes by `for_rows`")
         target, draft = params
         carry = self.ar.empty(target, batch)
         return {**carry, "drafter": self.drafter.init_state(target, draft, carry["cache"])}
@@ -120,10 +126,12 @@ class SpecDecoder:
 
     def begin(self, params, carry, hidden, lengths, key):
         state = self.ar.begin(params[0], carry, hidden, lengths, key)
-        # Per verify step, the drafts accepted and the depth drafted (-1: no step yet); at most one step per token.
-        log = jnp.full(self.ar.max_cache_len, -1, jnp.int32)
+        # Per row and verify step, the drafts accepted and the depth drafted (-1: no step, or the row had ended); at
+        # most one step per token. "cursor": each row's tokens so far; "step" (the host's stop) is the fewest a row
+        # still decoding has.
+        log = jnp.full((lengths.shape[0], self.ar.max_cache_len), -1, jnp.int32)
         return {**state, "drafter": carry["drafter"], "accepted_log": log, "drafted_log": log,
-                "iteration": jnp.int32(0),
+                "cursor": jnp.full(lengths.shape, state["step"]), "iteration": jnp.int32(0),
                 # The pause gate (`decode`): running acceptance, steps since the last draft, the acceptance a step
                 # must reach to pay (0: every step drafts, until `gate.tune` measures it) and that of a step whose
                 # draft runs no model (`Drafter.free`), steps paused, paused steps before the next probe, the drafter's
@@ -143,8 +151,14 @@ class SpecDecoder:
         tree, drafter, s_max = self.drafter.tree, self.drafter, self.ar.max_cache_len
         width, sampling = tree.depth + 1, self.ar.sampling
 
+        def live(s):
+            return ~s["done"] & (s["length"] < s_max)
+
+        def going(s):  # stop_at: one for every row, or each row's own [B]
+            return live(s) & (s["cursor"] < stop_at)
+
         def cond(s):
-            return (s["step"] < stop_at) & ~jnp.all(s["done"]) & (jnp.max(s["length"]) < s_max)
+            return jnp.any(going(s))
 
         def drafting(s):
             key, draft_key, verify_key = jax.random.split(s["key"], 3)
@@ -153,23 +167,29 @@ class SpecDecoder:
             cache, accepted, emitted, path, dstate = drafter.verify(target, draft, cache, s["length"], s["last"], nodes,
                                                                     valid, child_probs, dstate, verify_key, sampling)
             dstate = drafter.update(dstate, s["length"], accepted, path, emitted)
-            # Tokens after an EOS inside the accepted path are dropped.
-            live = jnp.arange(width)[None] <= accepted[:, None]
-            eos = self.ar.is_eos(emitted) & live
-            n_out = jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1)
+            # Tokens after an EOS inside the accepted path are dropped; a row that had ended, or reached its stop,
+            # emits nothing.
+            on = going(s)
+            eos = self.ar.is_eos(emitted) & (jnp.arange(width)[None] <= accepted[:, None])
+            n_out = jnp.where(on, jnp.where(eos.any(1), jnp.argmax(eos, axis=1) + 1, accepted + 1), 0)
             emitted = jnp.where(jnp.arange(width)[None] < n_out[:, None], emitted, self.ar.pad_id)
+            rows = jnp.arange(emitted.shape[0])
+            at = jnp.where(on[:, None], s["cursor"][:, None] + jnp.arange(width)[None], s["tokens"].shape[1])
+            cursor = s["cursor"] + n_out
             node_depths = drafter.tree_arrays(dstate, valid.shape[0]).depths[:, 1:]
-            g = recorded(s, accepted[0])
+            g = recorded(s, accepted[0])  # the gate runs on one row (`for_rows`)
             # A probe that found drafts paying again resets the wait to one step; one that did not doubles it.
             pays = expected_acceptance(g["rate"], g["total"], s["iteration"] + 1, g["fit"]) >= s["breakeven"]
             probe = jnp.where(pays, 1, jnp.where(s["idle"] > 0, jnp.minimum(2 * s["probe"], PROBE_EVERY), s["probe"]))
             drafted = jnp.max(jnp.where(valid, node_depths, 0), axis=1)
-            return {**s, "tokens": jax.lax.dynamic_update_slice(s["tokens"], emitted, (0, s["step"])),
-                    "cache": cache, "step": s["step"] + n_out[0],
-                    "last": emitted[jnp.arange(emitted.shape[0]), n_out - 1], "length": s["length"] + accepted + 1,
-                    "done": s["done"] | eos.any(1), "drafter": dstate,
-                    "accepted_log": s["accepted_log"].at[s["iteration"]].set(accepted[0]),
-                    "drafted_log": s["drafted_log"].at[s["iteration"]].set(drafted[0]),
+            new = {"length": jnp.where(on, s["length"] + accepted + 1, s["length"]), "done": s["done"] | (eos.any(1) & on),
+                   "cursor": cursor}
+            ahead = going(new)
+            return {**s, **new, "tokens": s["tokens"].at[rows[:, None], at].set(emitted, mode="drop"), "cache": cache,
+                    "step": jnp.where(ahead.any(), jnp.min(jnp.where(ahead, cursor, cursor.max())), cursor.max()),
+                    "last": jnp.where(on, emitted[rows, jnp.maximum(n_out, 1) - 1], s["last"]), "drafter": dstate,
+                    "accepted_log": s["accepted_log"].at[:, s["iteration"]].set(jnp.where(on, accepted, -1)),
+                    "drafted_log": s["drafted_log"].at[:, s["iteration"]].set(jnp.where(on, drafted, -1)),
                     "iteration": s["iteration"] + 1, "key": key,
                     **g, "idle": jnp.int32(0), "probe": probe,
                     "hint": jnp.bool_(False)}
@@ -179,7 +199,8 @@ class SpecDecoder:
             dstate = drafter.pause(target, draft, s["cache"], s["length"], s["last"], s["drafter"])
             out = self.ar.advance(target, s)
             hint = jnp.bool_(False) if drafter.hint is None else drafter.hint(dstate, s["length"], out["last"])[0]
-            return {**s, **out, "drafter": dstate, "idle": s["idle"] + 1, "paused": s["paused"] + 1, "hint": hint}
+            return {**s, **out, "cursor": jnp.full_like(s["cursor"], out["step"]), "drafter": dstate,
+                    "idle": s["idle"] + 1, "paused": s["paused"] + 1, "hint": hint}
 
         def body(s):
             if drafter.pause is None or not self.gate:
@@ -197,9 +218,11 @@ class SpecDecoder:
 
         return jax.lax.while_loop(cond, body, state)
 
-    def stats(self, state) -> dict:
-        log, drafted = np.asarray(state["accepted_log"]), np.asarray(state["drafted_log"])
-        drafted = drafted[drafted >= 0]
+    def stats(self, state, row: int | None = None) -> dict:
+        """The acceptance of one row of the state's batch, or of all its rows pooled; the drafter's own, pooled."""
+        log, drafted = (np.asarray(state[k]) if row is None else np.asarray(state[k])[row]
+                        for k in ("accepted_log", "drafted_log"))
+        log, drafted = log.ravel(), drafted[drafted >= 0]
         return {**acceptance(log[log >= 0], self.drafter.tree.depth),
                 "mean_drafted": float(drafted.mean()) if drafted.size else 0.0, "drafted_per_step": drafted.tolist(),
                 "paused_steps": int(state["paused"]), "gate_slope": float(slope(state["fit"], state["iteration"])),

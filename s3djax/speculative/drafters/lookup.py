@@ -170,6 +170,11 @@ class WithLookup(Drafter):
     def draft(self, params, draft, cache, length, last, state, key, sampling: Sampling):
         inner, _, looked_up, switch = state
         history, looked, known, use = self.lookup_step(state, length, last)
+        if self.inner.gave_way is not None:
+            # A drafter brought up to date by `gave_way` (Kangaroo's exit states, which its verification reads) is
+            # either drafted or given way for every row of a batch at once: in a batch lookup drafts where all rows
+            # have a match.
+            use = use & jnp.all(use)
         masses = point_masses(looked, self.config.vocab_size, sampling)
 
         def drafted(c):
@@ -184,7 +189,7 @@ class WithLookup(Drafter):
         # because a conditional copies the K/V cache in and out where a loop carries it in place.
         _, nodes, valid, child_probs, cache, inner = jax.lax.while_loop(
             lambda c: c[0], drafted, (~jnp.all(use), looked, known, masses, cache, inner))
-        if self.inner.gave_way is not None:  # one row, as speculative decoding runs: `all(use)` is that row's
+        if self.inner.gave_way is not None:
             def gave_way(c):
                 _, cache, inner = c
                 return (jnp.bool_(False), *self.inner.gave_way(params, draft, cache, length, last, looked, inner))
