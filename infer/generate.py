@@ -119,7 +119,8 @@ def main_batch(args):
         print(json.dumps({"index": i, **out.json()}) if args.json else f"--- {i}\n{out.text}", flush=True)
     new = sum(len(o.token_ids) for o in outs)
     rate = outs[0].stats.get("batch_tokens_per_s", outs[0].tokens_per_s)
-    plain = " by the target's own steps (a batch does not draft)" if args.method != "ar" and len(outs) > 1 else ""
+    how = outs[0].stats.get("batch_drafting")  # whether the batch drafted, and why (`defaults.batch_choice`)
+    plain = f" ({how})" if how else ""
     print(f"[{args.method}] {len(outs)} prompts, {new} new tokens, one batch{plain}, {rate:.1f} tokens/s decode "
           f"over all rows; on {outs[0].device}", file=sys.stderr)
 

@@ -189,15 +189,21 @@ def split_steps(steps: dict, drafts: dict, ar: float) -> tuple[dict, dict]:
     return draft, {g: steps[g] - draft[g] for g in steps}
 
 
-def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32):
+def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32,
+               same: bool = False):
     """A function timing one more stretch of `tokens` tokens of `runner`'s compiled decode loop on `prompt`'s cache
-    (or from `state`, its prefill): seconds per step as `counter` counts them. A first stretch warms it up."""
+    (or from `state`, its prefill): seconds per step as `counter` counts them. A first stretch warms it up. `same`:
+    every stretch starts from that state (a copy), decoding the same text, so that stretches differ by the machine's
+    noise alone, not by what they decode."""
     from s3djax.speculative.gate import stretch
 
     box = [runner.prefill(prompt) if state is None else state]
+    start = jax.block_until_ready(jax.tree.map(jnp.copy, box[0])) if same else None
     decode = runner._compiled("decode", runner.decoder.decode, box[0], jnp.int32(0))[0]
 
     def once(n: int = tokens) -> float | None:
+        if same:
+            box[0] = jax.block_until_ready(jax.tree.map(jnp.copy, start))  # the loop donates what it is given
         # What is decoded is never shown, so an EOS does not end the timing.
         box[0], steps, seconds = stretch(decode, runner.params, {**box[0], "done": jnp.zeros_like(box[0]["done"])},
                                          n, counter)
@@ -260,25 +266,30 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
 # ------------------------------------------------------------------------------ whether a batch drafts
 
 BATCH_TABLE = "batch-step-times.json"
+BATCH_VERSION = 3  # 2: timed on real text, the continuation of a prompt; 3: each stretch from the same state
+BATCH_ROUNDS = 5
 
 
 def _valid_batch(entry) -> bool:
     return all(isinstance(entry.get(k), float) for k in ("ar", "step", "spread"))
 
 
-def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, *, measure: bool = True) -> tuple[bool, str]:
+def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt_ids, *,
+                 measure: bool = True) -> tuple[bool, str]:
     """(whether a batch of `rows` prompts drafts, why): a step of every row costs more than one row's, and `ar`'s
     batch reads its weights once for all rows, so drafting pays less in a batch (docs/sampling.md#batches). The speed
     model weighs it as at one row: what the chosen depth commits a row (its record) against the step times of both
     loops at `rows` rows, timed here in turn (`spec` and `ar`: the method's and the target's Runners as the batch
-    will run them), once per machine and setting (`batch-step-times.json`). It drafts where that predicts it faster
-    than `ar` by more than the timings' spread; where nothing measured decides, a batch takes the target's own
-    steps."""
+    will run them) on the text they decode after `prompt_ids()` (a made-up context mis-timed the steps by a quarter,
+    docs/sampling.md#batches), once per machine and setting (`batch-step-times.json`). It drafts where that predicts
+    it faster than `ar` by more than the timings' spread; where nothing measured decides, a batch takes the target's
+    own steps."""
     g = getattr(getattr(spec.decoder, "drafter", None), "tree", None)
     g = g.depth if g is not None else None
     if mode() == "fixed" or chosen is None or not chosen.record or g not in chosen.record or chosen.key is None:
         return False, "a batch takes the target's own steps: nothing measured for a batch of this method"
-    k = _key(method, {"depth": chosen.key, "g": g, "rows": rows, "cache": spec.decoder.max_cache_len})
+    k = _key(method, {"depth": chosen.key, "g": g, "rows": rows, "cache": spec.decoder.max_cache_len,
+                      "version": BATCH_VERSION})
     table = user_cache.read_table(BATCH_TABLE, _valid_batch)
     if k not in table or mode() == "again":
         if not measure:
@@ -288,13 +299,15 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, *, mea
         from s3djax.decode import Runner
         from s3djax.speculative.profile import alternate
 
-        prompt, decoder = [(7 * i) % 1000 + 100 for i in range(CONTEXT)], spec.decoder.for_rows(rows)
+        prompt, decoder = list(prompt_ids()), spec.decoder.for_rows(rows)
         batch = Runner(decoder, spec.params)
         state = batch.prefill(prompt, rows=rows)
         if decoder.drafter.force is not None:  # every step drafts by the model, as at one row (`measure_costs`)
             state = {**state, "drafter": decoder.drafter.force(state["drafter"], False)}
-        (ar_s, _), (step_s, spread) = alternate([loop_timer(ar, prompt, ar.prefill(prompt, rows=rows)),
-                                                 loop_timer(batch, prompt, state, "iteration")])
+        (ar_s, _), (step_s, spread) = alternate([loop_timer(ar, prompt, ar.prefill(prompt, rows=rows), tokens=48,
+                                                            same=True),
+                                                 loop_timer(batch, prompt, state, "iteration", 48, True)],
+                                                BATCH_ROUNDS)
         table[k] = {"ar": ar_s, "step": step_s, "spread": spread, "rows": rows, "method": method,
                     "device": device.describe(), "date": datetime.date.today().isoformat()}
         user_cache.write_table(BATCH_TABLE, table)

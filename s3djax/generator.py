@@ -246,7 +246,7 @@ class Generator:
             spec = self.session(name, sampling=sampling, **options)
             drafts, how = defaults.batch_choice(name, spec.built.chosen, spec.runner,
                                                 self.session("ar", sampling=sampling, defaults=False).runner,
-                                                len(prompt))
+                                                len(prompt), lambda: encode_prompt(self.tokenizer, gate.PROMPT, False))
         plain = name != "ar" and not drafts  # then the target alone: no draft's skip plan
         starts = [self._start(p, max_new_tokens, name if drafts else "ar", chat_template, sampling,
                               {} if plain else options, defaults=not plain) for p in prompt]

@@ -246,17 +246,19 @@ def test_a_batch_drafts_only_where_the_speed_model_predicts_it_beats_ars_batch(m
     spec, plain = Runner(built.decoder, built.params), Runner(ar.decoder, ar.params)
     # A depth that commits far more than a batch's step costs drafts; one committing less than a token does not.
     sure = defaults.Choice(2, "chosen", record={2: {"tau": 50.0, "model_drafts": 1.0}}, key="setting")
-    drafts, how = defaults.batch_choice("s3d", sure, spec, plain, 4)
+    text = lambda: [5, 3, 7, 1, 9, 2]  # noqa: E731
+    drafts, how = defaults.batch_choice("s3d", sure, spec, plain, 4, text)
     assert drafts and how.startswith("a batch of 4 drafts: drafting predicted")
     assert "measuring s3d's step times in a batch of 4" in capsys.readouterr().err
     poor = dataclasses.replace(sure, record={2: {"tau": 0.5, "model_drafts": 1.0}})
-    assert defaults.batch_choice("s3d", poor, spec, plain, 4)[0] is False
+    assert defaults.batch_choice("s3d", poor, spec, plain, 4, text)[0] is False
     assert capsys.readouterr().err == ""  # the batch's step times came from the cache
     entry = next(iter(json.load(open(user_cache.path(defaults.BATCH_TABLE))).values()))
     assert entry["rows"] == 4 and 0 < entry["ar"] < entry["step"] < 1
     # Where nothing measured decides (no record for the depth built, S3DJAX_DEFAULTS=fixed): the target's own steps.
-    assert defaults.batch_choice("s3d", None, spec, plain, 4)[0] is False
-    assert defaults.batch_choice("s3d", dataclasses.replace(sure, record={3: sure.record[2]}), spec, plain, 4)[0] is False
+    assert defaults.batch_choice("s3d", None, spec, plain, 4, text)[0] is False
+    assert defaults.batch_choice("s3d", dataclasses.replace(sure, record={3: sure.record[2]}), spec, plain, 4,
+                                 text)[0] is False
     monkeypatch.setenv(defaults.ENV, "fixed")
-    assert defaults.batch_choice("s3d", sure, spec, plain, 4) == (
+    assert defaults.batch_choice("s3d", sure, spec, plain, 4, text) == (
         False, "a batch takes the target's own steps: nothing measured for a batch of this method")

@@ -97,9 +97,11 @@ def test_a_list_of_prompts_is_one_batch_with_each_answer_as_alone(gen, tmp_path,
     outs = gen.generate(prompts, max_new_tokens=20)
     assert [o.token_ids for o in outs] == alone and len({tuple(a) for a in alone}) == 3
     assert all(o.stats["batch"] == 3 and o.stats["batch_tokens_per_s"] > o.tokens_per_s for o in outs)
-    # a speculative method's batch is the target's own steps: the same answers, no verify steps
+    # Where nothing measured decides whether a batch drafts (the suite's S3DJAX_DEFAULTS=fixed, and a named tree has no
+    # record), a speculative method's batch is the target's own steps: the same answers, no verify steps.
     drafted = gen.generate(prompts, max_new_tokens=20, method="s3d", tree="tree-8")
     assert [o.token_ids for o in drafted] == alone and all(o.method == "ar" and o.tau is None for o in drafted)
+    assert drafted[0].stats["batch_drafting"].startswith("a batch takes the target's own steps")
     with pytest.raises(s3djax.UserError):
         gen.generate(prompts, max_new_tokens=20, method="s3d", tree="bush")
     for name, text in (("lines.txt", "\n".join(prompts) + "\n\n"),
