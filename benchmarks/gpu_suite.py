@@ -31,6 +31,7 @@ from s3djax.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = "ar,s3d,self-spec,kangaroo,s2d,lookup"
+BATCH_METHODS, BATCHES = "ar,s3d,kangaroo,lookup", (4, 16)
 VARIANTS = {"bf16-xla": ["--attention", "xla"], "bf16-pallas": ["--attention", "pallas"],
             "int8-xla": ["--quant", "int8"], "int8-pallas": ["--quant", "int8", "--matmul", "pallas", "--attention", "pallas"]}
 # The kernel tests and lowering checks --tiny runs: one of each kind, to prove the piece, not the kernels.
@@ -77,17 +78,24 @@ def pieces(args, run_dir: str) -> list[Piece]:
             Piece("int8-decode", ("-m", "benchmarks.int8_decode", *quick, *short, *model, "--out", at("int8-decode")), ("gpu", "model"))]
     limits = {"mt-bench": args.mt_bench_limit, "humaneval": args.humaneval_limit}
     methods = "ar,s3d" if args.tiny else args.methods  # --tiny proves the piece; the tests prove each method
+
+    def bench(name, dataset, limit, flags, methods, peers=False):
+        return Piece(name, ("-m", "infer.benchmark", *model, "--methods", methods + (",hf-ar" if peers else ""),
+                            "--dataset", dataset, "--limit", str(limit), "--max-new-tokens", str(args.max_new_tokens),
+                            "--max-cache-len", str(args.max_cache_len), "--dtype", "bfloat16", *flags, "--out", at(name),
+                            *(["--draft", "none"] if args.tiny else [])),  # a random model has no trained drafts
+                     ("gpu", "model", dataset) + (("torch",) if peers else ()))
     for variant, flags in VARIANTS.items():  # the headline (bf16, XLA attention) first: a short lease gets it
         for dataset, limit in limits.items():
             name = f"bench-{dataset}-{variant}"
             if args.tiny and name not in ("bench-mt-bench-bf16-xla", "bench-humaneval-int8-pallas"):
                 continue  # --tiny: both datasets and both kinds of flags, not every pairing
-            peers = variant.startswith("bf16")  # transformers runs the float model only
-            out.append(Piece(name, ("-m", "infer.benchmark", *model, "--methods", methods + (",hf-ar" if peers else ""),
-                                    "--dataset", dataset, "--limit", str(limit), "--max-new-tokens", str(args.max_new_tokens),
-                                    "--max-cache-len", str(args.max_cache_len), "--dtype", "bfloat16", *flags, "--out", at(name),
-                                    *(["--draft", "none"] if args.tiny else [])),  # a random model has no trained drafts
-                             ("gpu", "model", dataset) + (("torch",) if peers else ())))
+            out.append(bench(name, dataset, limit, flags, methods, peers=variant.startswith("bf16")))  # peers: float
+        if variant == "bf16-xla" and not args.tiny:
+            # Drafting inside batches, after the headline: on a GPU a step's rows cost less than its launches, where on
+            # a CPU drafting stopped paying past 2 rows (docs/sampling.md#batches). The tests prove --batch.
+            out += [bench(f"bench-mt-bench-bf16-xla-batch-{b}", "mt-bench", min(args.mt_bench_limit, 4 * b),
+                          ["--attention", "xla", "--batch", str(b)], BATCH_METHODS) for b in BATCHES]
     train = dict(model=args.model, data=args.train_data, out=at("train-s3d"), stop_after_s=args.train_seconds,
                  **({"checkpoint": args.checkpoint} if args.checkpoint else {}))
     if args.tiny:

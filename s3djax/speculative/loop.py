@@ -3,8 +3,8 @@
 `SpecDecoder` has the same start/decode/check_prompt interface as `ARDecoder`, so the host
 `Runner` times and streams it the same way. Its params are the pair (target params, draft params).
 A batch decodes each row on its own cursor: a step drafts and verifies every row together (one forward of all
-their rows), and each row commits what it accepted; a row that has ended (EOS, or its cache full) still computes in
-the step but commits nothing, writing only past its own committed length, which nothing reads.
+their rows), and each row commits what it accepted; a row that has ended (EOS, its cache full, or its stop reached)
+still computes in the step but commits nothing, writing only past its own committed length, which nothing reads.
 
 The cache has `slack` slots past --max-cache-len, so a draft block and a tree always fit; the loop
 stops where `ar` would (the committed length reaching max_cache_len), and the Runner's cap on new
