@@ -93,6 +93,16 @@ def test_compile_only_is_the_compile_piece_alone_and_it_comes_first(tmp_path):
     assert everything[0] == piece  # compiled before anything is measured
 
 
+def test_the_batches_run_right_after_the_headline_benchmark_each_drafting_in_four_full_batches(tmp_path):
+    names = {q.name: q for q in gpu_suite.pieces(gpu_suite.parse_args(["--out", str(tmp_path)]), str(tmp_path))}
+    order = list(names)
+    assert order.index("bench-mt-bench-bf16-xla-batch-4") == order.index("bench-humaneval-bf16-xla") + 1
+    for b in gpu_suite.BATCHES:
+        argv = names[f"bench-mt-bench-bf16-xla-batch-{b}"].argv
+        assert argv[argv.index("--batch") + 1] == str(b) and argv[argv.index("--limit") + 1] == str(4 * b)
+        assert argv[argv.index("--methods") + 1] == gpu_suite.BATCH_METHODS
+
+
 FAKE = [Piece("ok", ("-c", "print('fine')")), Piece("bad", ("-c", "import sys; sys.exit(3)")),
         Piece("slow", ("-c", "import time; time.sleep(60)")), Piece("reader", ("-c", "print('read')"), after="bad")]
 
