@@ -135,10 +135,10 @@ def test_top_p_takes_both_paths_here(params):
     assert (kept <= sampling_module.CANDIDATES).any() and (kept > sampling_module.CANDIDATES).any(), kept
 
 
-@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "tree-8"), (SHAPED, "dynamic-8"),
+# SHAPED on tree-8 is sampled as a row of a batch (`test_a_row_of_a_batch_samples_the_target_distribution`).
+@pytest.mark.parametrize("sampling, tree", [(T1, "chain"), (T1, "tree-16"), (SHAPED, "dynamic-8"),
                                             (NUCLEUS, "chain"), (NUCLEUS, "tree-8")],
-                         ids=["t1-chain", "t1-tree16", "shaped-tree8", "shaped-dynamic8", "nucleus-chain",
-                              "nucleus-tree8"])
+                         ids=["t1-chain", "t1-tree16", "shaped-dynamic8", "nucleus-chain", "nucleus-tree8"])
 def test_s3d_samples_the_target_distribution(params, sampling, tree):
     decoder, plan = spec_decoder(sampling, tree)
     counts = sampled_joint(params, decoder, init_draft(params, SMALL, plan))
