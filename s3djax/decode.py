@@ -55,6 +55,10 @@ class ARDecoder:
         """Cache slots: the cap and the slack."""
         return self.max_cache_len + self.slack
 
+    def for_rows(self, n: int) -> "ARDecoder":
+        """The decoder for a batch of n rows: this one (`SpecDecoder.for_rows` drops its pause gate)."""
+        return self
+
     def check_prompt(self, n: int) -> None:
         if n == 0:
             raise UserError("the prompt is empty")
@@ -104,10 +108,11 @@ class ARDecoder:
         return jnp.isin(tokens, jnp.asarray(self.eos_ids or (-1,), jnp.int32))
 
     def decode(self, params, state, stop_at):
-        """Generate until every row hit EOS, the cache is full, or `stop_at` tokens exist."""
+        """Generate until every row hit EOS, the cache is full, or `stop_at` tokens exist (one for every row, or
+        each row's own [B]: the rows step together, so until the most of them)."""
 
         def cond(s):
-            return (s["step"] < stop_at) & ~jnp.all(s["done"])
+            return jnp.any(s["step"] < stop_at) & ~jnp.all(s["done"])
 
         return jax.lax.while_loop(cond, lambda s: {**s, **self.advance(params, s)}, state)
 
@@ -229,7 +234,7 @@ class Runner:
     def prefill(self, prompt_ids: list[int], seed: int = 0, rows: int = 1):
         """The decode state right after the prompt (for profiling steps on a real cache), in `rows` rows."""
         state = self._prefiller(prompt_ids, seed)[0]()
-        return stack_rows([state] * rows, row_axes(self.decoder, self.params) if rows > 1 else None)
+        return stack_rows([state] * rows, row_axes(self.decoder.for_rows(rows), self.params) if rows > 1 else None)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, seed: int = 0,
                  on_tokens: Callable[[list[int]], None] | None = None, chunk: int = 16,
@@ -271,7 +276,7 @@ class Runner:
 
     def _run(self, prompts: list[list[int]], max_new_tokens: int, seed: int, chunk: int | None,
              prior: tuple[dict, int] | None = None, keep: bool = False):
-        d = self.decoder.for_rows(len(prompts)) if hasattr(self.decoder, "for_rows") else self.decoder
+        d = self.decoder.for_rows(len(prompts))
         budgets = [min(max_new_tokens, d.max_cache_len - len(ids)) for ids in prompts]
         starts = [self._prefiller(ids, seed + i, prior) for i, ids in enumerate(prompts)]  # compiled before the clock
         compile_s = sum(c for _, c in starts)
@@ -288,10 +293,9 @@ class Runner:
         ttft = time.perf_counter() - t
         if chunk:
             yield first
-        # A speculative batch stops each row at its own budget (its rows commit at their own pace).
+        # A batch stops each row at its own budget (a speculative batch's rows commit at their own pace).
         def stop_at(n):
-            return jnp.asarray(np.minimum(budgets, n), jnp.int32) if rowwise else jnp.int32(n)
-        rowwise = hasattr(d, "for_rows") and len(prompts) > 1
+            return jnp.asarray(np.minimum(budgets, n), jnp.int32) if len(prompts) > 1 else jnp.int32(n)
         decode, c = self._compiled("decode", d.decode, state, stop_at(0))
         compile_s += c
         t = time.perf_counter()
@@ -305,8 +309,7 @@ class Runner:
                 yield new(step)
         decode_s = time.perf_counter() - t
         # A speculative step may emit past the budget; the extra tokens are dropped.
-        stats = [d.stats(state, i) if len(prompts) > 1 else d.stats(state) for i in range(len(prompts))] \
-            if hasattr(d, "stats") else [{}] * len(prompts)
+        stats = [d.stats(state, i) if hasattr(d, "stats") else {} for i in range(len(prompts))]
         return [Result(tokens=tokens, prompt_tokens=len(ids), compile_s=compile_s, ttft_s=ttft, decode_s=decode_s,
                        stats=st, state=state if keep else None) for tokens, ids, st in zip(new(step), prompts, stats)]
 

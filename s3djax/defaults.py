@@ -284,8 +284,7 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt
     docs/sampling.md#batches), once per machine and setting (`batch-step-times.json`). It drafts where that predicts
     it faster than `ar` by more than the timings' spread; where nothing measured decides, a batch takes the target's
     own steps."""
-    g = getattr(getattr(spec.decoder, "drafter", None), "tree", None)
-    g = g.depth if g is not None else None
+    g = spec.decoder.drafter.tree.depth  # the depth the method was built with
     if mode() == "fixed" or chosen is None or not chosen.record or g not in chosen.record or chosen.key is None:
         return False, "a batch takes the target's own steps: nothing measured for a batch of this method"
     k = _key(method, {"depth": chosen.key, "g": g, "rows": rows, "cache": spec.decoder.max_cache_len,
@@ -304,10 +303,9 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt
         state = batch.prefill(prompt, rows=rows)
         if decoder.drafter.force is not None:  # every step drafts by the model, as at one row (`measure_costs`)
             state = {**state, "drafter": decoder.drafter.force(state["drafter"], False)}
-        (ar_s, _), (step_s, spread) = alternate([loop_timer(ar, prompt, ar.prefill(prompt, rows=rows), tokens=48,
-                                                            same=True),
-                                                 loop_timer(batch, prompt, state, "iteration", 48, True)],
-                                                BATCH_ROUNDS)
+        timers = [loop_timer(ar, prompt, ar.prefill(prompt, rows=rows), "step", 48, True),
+                  loop_timer(batch, prompt, state, "iteration", 48, True)]
+        (ar_s, _), (step_s, spread) = alternate(timers, BATCH_ROUNDS)
         table[k] = {"ar": ar_s, "step": step_s, "spread": spread, "rows": rows, "method": method,
                     "device": device.describe(), "date": datetime.date.today().isoformat()}
         user_cache.write_table(BATCH_TABLE, table)
