@@ -204,6 +204,10 @@ class Generator:
         self._checked[key].check_prompt(len(ids))
         return ids
 
+    def _timing_text(self) -> list[int]:
+        """The ids of the text this machine's step times are measured on (the pause gate's, a batch's)."""
+        return encode_prompt(self.tokenizer, gate.PROMPT, False)
+
     def _key(self, method: str | None, sampling: Sampling, options: dict, defaults: bool = True) -> tuple:
         """What a built method depends on besides the weights."""
         return method or self.method, sampling, tuple(sorted({**(self.options if defaults else {}), **options}.items()))
@@ -220,7 +224,7 @@ class Generator:
             built = methods.build(method, self.load(), max_cache_len=self.max_cache_len, dtype=self.dtype,
                                   sampling=sampling, **options)
             runner = Runner(built.decoder, built.params)
-            gate.tune(runner, lambda: encode_prompt(self.tokenizer, gate.PROMPT, False), method, options.get("pause"))
+            gate.tune(runner, self._timing_text, method, options.get("pause"))
             self._sessions[key] = Session(method, built, runner)
         return self._sessions[key]
 
@@ -246,7 +250,7 @@ class Generator:
             spec = self.session(name, sampling=sampling, **options)
             drafts, how = defaults.batch_choice(name, spec.built.chosen, spec.runner,
                                                 self.session("ar", sampling=sampling, defaults=False).runner,
-                                                len(prompt), lambda: encode_prompt(self.tokenizer, gate.PROMPT, False))
+                                                len(prompt), self._timing_text)
         plain = name != "ar" and not drafts  # then the target alone: no draft's skip plan
         starts = [self._start(p, max_new_tokens, name if drafts else "ar", chat_template, sampling,
                               {} if plain else options, defaults=not plain) for p in prompt]
