@@ -16,7 +16,7 @@ import os
 
 from s3djax.cli import Parser, run
 
-from s3djax.speed_model import DEPTH_OPTION
+from s3djax.speed_model import DEPTH_OPTION, comparison_error
 
 METHODS = tuple(DEPTH_OPTION)
 
@@ -37,15 +37,17 @@ def parse_args(argv=None):
 
 
 def table(method: str, choices: dict) -> list[str]:
-    """Markdown rows: each depth's step times and predicted speed, the chosen depths in bold."""
+    """Markdown rows: each depth's step times and predicted speed, the chosen depths in bold, and in brackets the error
+    of its comparison with the best (`speed_model.comparison_error`)."""
     costs = next(c.costs for c in choices.values() if c.costs)
     lines = [f"| {method} depth | the model's draft adds, ms | the rest of a step, ms | " + " | ".join(f"{name}: predicted vs `ar`" for name in choices)
              + " |", "| --- | --- | --- |" + " --- |" * len(choices)]
     for g in sorted(costs["verify"]):
         cells = []
         for c in choices.values():
-            p = (c.predicted or {}).get(g)
-            cells.append("-" if p is None else f"**{p:.2f}x**" if g == c.depth else f"{p:.2f}x")
+            p, top = (c.predicted or {}).get(g), max(c.predicted or {0: 0}, key=(c.predicted or {0: 0}).get)
+            error = f" ({comparison_error(costs, g, top):.1%})" if g != top else ""
+            cells.append("-" if p is None else f"**{p:.2f}x**{error}" if g == c.depth else f"{p:.2f}x{error}")
         lines.append(f"| {g} | {costs['draft'][g] * 1e3:.1f} | {costs['verify'][g] * 1e3:.1f} | " + " | ".join(cells)
                      + " |")
     return lines
@@ -67,8 +69,11 @@ def main(argv=None):
     lines = [f"# Chain depths chosen on this machine, {args.model} {args.dtype}"
              + (f" {args.quant}" if args.quant else ""), "", f"- device: {device.describe()}",
              f"- date: {datetime.date.today().isoformat()}",
-             f"- step times: `ar`'s and each depth's own decode loop (`defaults.measure_costs`), at "
-             f"{defaults.CONTEXT} tokens in a {defaults.CACHE_LEN}-token cache; what each depth commits: "
+             f"- step times: `ar`'s and each depth's own decode loop (`defaults.measure_costs`), in a "
+             f"{defaults.CACHE_LEN}-token cache, on the model's continuation of the timing text (`gate.PROMPT`), "
+             f"stretches of {defaults.STRETCH} tokens from the same state, round robin ({defaults.ROUNDS} rounds or more), a "
+             f"depth's step its median ratio to `ar`'s in the same round; the shallowest depth predicted within its "
+             f"comparison's error (in brackets) of the best runs; what each depth commits: "
              f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
     if blocking:
         lines.append("- CPU matmul blocking, chosen on this machine (s3djax.kernel_tuning): "
@@ -86,8 +91,7 @@ def main(argv=None):
             lines += [f"{method}: not chosen here, {'; '.join(sorted(why))}", ""]
             continue
         costs = next(iter(found.values())).costs
-        lines += [f"{method}: `ar` step {costs['ar'] * 1e3:.1f} ms; timings spread {costs['spread']:.1%} (the "
-                  "shallowest depth predicted within it of the best runs); chosen depth "
+        lines += [f"{method}: `ar` step {costs['ar'] * 1e3:.1f} ms; chosen depth "
                   + ", ".join(f"{name} {c.depth}" for name, c in found.items()), ""] + table(method, found) + [""]
     text = "\n".join(lines)
     print(text)

@@ -83,6 +83,7 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
     import jax
 
     from s3djax import methods
+    from s3djax.speculative import gate
 
     leaf = jax.tree.leaves(m.params)[0]
     measure = measure and isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)  # not a shape alone
@@ -98,4 +99,5 @@ def chosen_depth(method: str, m: LoadedModel, ar, opts, dtype: str, measure: boo
                "weights": [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(m.params)],
                "options": {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("gamma", "max_draft", "lookup")}}
     return defaults.depth(method, build_at, setting, model=m.name, draft_path=opts.draft_path, greedy=ar.sampling.greedy,
-                          lookup_switch=lookup_switch(opts, method) if gives_way else 0, measure=measure, fixed=fixed)
+                          lookup_switch=lookup_switch(opts, method) if gives_way else 0, measure=measure, fixed=fixed,
+                          prompt_ids=lambda: gate.prompt_ids(m.tokenizer))

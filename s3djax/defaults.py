@@ -34,15 +34,23 @@ from s3djax.registry import CONFIG_DIR
 ENV = "S3DJAX_DEFAULTS"
 MODES = ("measure", "again", "fixed")
 TABLE = "step-times.json"
-# Step times are measured at this cache, this many tokens in (`measure_costs`); a draft step alone, in a compiled loop
-# of this many (in shorter loops a step timed slower).
-CACHE_LEN, CONTEXT, DRAFT_REPEATS = 2048, 256, 16
+# Step times are measured at this cache (`measure_costs`); a draft step alone, in a compiled loop of this many (in
+# shorter loops a step timed slower); where a model has no tokenizer to read the timing text, on a made-up context
+# this many tokens long.
+CACHE_LEN, DRAFT_REPEATS, CONTEXT = 2048, 16, 256
+# A loop is timed in stretches of this many tokens decoded after the timing text (`gate.prompt_ids`), each from the
+# same state, in this many rounds in turn with the loops it is weighed against (`measure_costs`, `batch_choice`): on
+# a made-up context a depth's steps drafted unlike a text's and timed a quarter off, and stretches one after another
+# spread by what they decoded (docs/defaults.md).
+STRETCH, ROUNDS = 48, 5
 # Bumped where what is measured changes, so that step times measured otherwise are measured anew: 2, each depth's own
 # decode loop (before, its draft and verify steps apart, in loops of their own that left out the loop's work); 3, S3D's
 # and S2D's drafts with their adapters folded into their int8 copies (`draft_weights.folded`), cheaper steps; 4, the
 # spread of the timings kept beside them (`speed_model.best_depth`'s tolerance); 5, `ar` timed in turn with each depth
-# (`measure_costs`), its fastest stretch of all kept.
-COSTS_VERSION = 5
+# (`measure_costs`), its fastest stretch of all kept; 7, on the timing text, each stretch from the same state, every
+# depth's loop and `ar`'s round robin, a depth's step its median ratio to `ar`'s in the same round (6 was the first
+# two alone, tried and not kept: benchmarks/results/zen4-timing-text-cpu-2026-12-02).
+COSTS_VERSION = 7
 
 
 @functools.cache
@@ -132,54 +140,69 @@ def _key(method: str, setting: dict) -> str:
 
 
 def _valid(entry) -> bool:
-    return (all(isinstance(entry.get(k), dict) for k in ("draft", "verify"))
-            and all(isinstance(entry.get(k), float) for k in ("ar", "spread")))
+    return all(isinstance(entry.get(k), dict) for k in ("draft", "verify", "rounds")) and isinstance(entry.get("ar"), float)
 
 
 def _as_costs(entry: dict) -> dict:
-    return {"ar": entry["ar"], "spread": entry["spread"],
-            **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify")}}
+    return {"ar": entry["ar"], **{k: {int(g): s for g, s in entry[k].items()} for k in ("draft", "verify", "rounds")}}
 
 
-def measure_costs(method: str, build, depths: list[int], record: dict | None = None) -> dict:
-    """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}, "spread": r},
+def measure_costs(method: str, build, depths: list[int], record: dict | None = None,
+                  prompt: list[int] | None = None) -> dict:
+    """Seconds per step at each depth on this machine, {"ar": s, "draft": {g: s}, "verify": {g: s}, "rounds": ...},
     timed in the compiled decode loops a run uses, so that the loop's own work counts as a run pays it: "ar" a step
     of `ar`'s loop; "draft" the model's draft alone, and "verify" the rest of a step of depth g's own loop drafting by
-    the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that); "spread"
-    how far the timings of a depth's loop spread (`profile.alternate`), the widest. Each depth's loop is timed in turn
-    with `ar`'s, so that `ar` is timed as often as every depth together and the fastest of all its stretches is kept
-    (a few stretches of `ar` alone proved far noisier than a depth's, docs/defaults.md). `ar`'s spread is left out
-    of "spread": it moves every depth's prediction alike, so it cannot change which is best. `build(g)` returns the
-    method built at depth g as it will run. With the `record` of what each depth commits, the depths stop where the
-    speed model finds two in a row slower than the best (`speed_model.past_best`)."""
+    the model: verification and the loop's work (a step drafted by prompt lookup instead costs about that). The loops
+    take turns round robin, a stretch each a round, a depth joining in the round after it is built, until every depth
+    has ROUNDS rounds (`round_robin_costs` says what is kept). `build(g)` returns the method built at depth g as it
+    will run. With the `record` of what each depth commits, the depths stop where the speed model finds two in a row
+    slower than the best (`speed_model.past_best`). `prompt`: the timing text's ids (`gate.prompt_ids`), where the
+    model can read it."""
     from s3djax.decode import Runner
-    from s3djax.speculative.profile import alternate, ms_per_step, step_functions
+    from s3djax.speculative.profile import ms_per_step, step_functions
 
-    prompt = [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
-    costs, steps, drafts, ar = {"draft": {}, "verify": {}, "spread": 0.0}, {}, {}, None
+    prompt = list(prompt) if prompt else [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
+    timers, times, drafts = {}, {}, {}
+
+    def one_round():
+        for name, timer in timers.items():
+            times[name].append(timer())
     for g in sorted(depths):
         built = build(g)
-        if ar is None:
-            ar = Runner(built.decoder.ar, built.params[0])
+        if not timers:
+            timers["ar"], times["ar"] = loop_timer(Runner(built.decoder.ar, built.params[0]), prompt), []
         drafter, runner = built.decoder.drafter, Runner(built.decoder, built.params)
 
-        def by_the_model():  # a fresh state (each timing consumes its own) whose steps all draft by the model
+        def by_the_model():  # a fresh state whose steps all draft by the model
             state = runner.prefill(prompt)
             return state if drafter.force is None else {**state, "drafter": drafter.force(state["drafter"], False)}
-        (ar_s, _), (steps[g], spread) = alternate([loop_timer(ar, prompt),
-                                                   loop_timer(runner, prompt, by_the_model(), "iteration")])
-        costs["ar"] = min(costs.get("ar", ar_s), ar_s)
-        costs["spread"] = max(costs["spread"], spread)
+        timers[g], times[g] = loop_timer(runner, prompt, by_the_model(), "iteration"), [None] * len(times["ar"])
         drafts[g] = 0.0
         if method != "lookup":  # lookup drafts by a search, not a model
             state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
             drafts[g] = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
                                     (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
-        # `ar`'s fastest so far stands for the target's step until a later depth's stretches find a faster one.
-        costs["draft"], costs["verify"] = split_steps(steps, drafts, costs["ar"])
-        if record and speed_model.past_best(speed_model.speedups(record, costs)):
+        one_round()
+        if record and speed_model.past_best(speed_model.speedups(record, round_robin_costs(times, drafts))):
             break
-    return costs
+    while sum(t is not None for t in times[g]) < ROUNDS:
+        one_round()
+    return round_robin_costs(times, drafts)
+
+
+def round_robin_costs(times: dict, drafts: dict) -> dict:
+    """`measure_costs`'s result from each loop's seconds a step round by round, {"ar": [s], g: [s]} (None where a
+    loop was not timed that round), and each depth's draft timed alone. A depth's step is its median ratio to `ar`'s
+    stretch of the same round, times `ar`'s fastest stretch: on a shared machine the loops run in spells a few
+    stretches long, and a ratio within a round carries less of a spell than either timing. The ratios are kept,
+    "rounds": {g: [ratio]}, for the error of a comparison between two depths (`speed_model.comparison_error`)."""
+    import statistics
+
+    ar = min(t for t in times["ar"] if t)
+    rounds = {g: [t / a if t and a else None for t, a in zip(times[g], times["ar"])] for g in drafts}
+    steps = {g: ar * statistics.median(r for r in rounds[g] if r) for g in drafts}
+    draft, verify = split_steps(steps, drafts, ar)
+    return {"ar": ar, "draft": draft, "verify": verify, "rounds": rounds}
 
 
 def split_steps(steps: dict, drafts: dict, ar: float) -> tuple[dict, dict]:
@@ -189,33 +212,32 @@ def split_steps(steps: dict, drafts: dict, ar: float) -> tuple[dict, dict]:
     return draft, {g: steps[g] - draft[g] for g in steps}
 
 
-def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step", tokens: int = 32,
-               same: bool = False):
-    """A function timing one more stretch of `tokens` tokens of `runner`'s compiled decode loop on `prompt`'s cache
-    (or from `state`, its prefill): seconds per step as `counter` counts them. A first stretch warms it up. `same`:
-    every stretch starts from that state (a copy), decoding the same text, so that stretches differ by the machine's
-    noise alone, not by what they decode."""
+def loop_timer(runner, prompt: list[int], state: dict | None = None, counter: str = "step",
+               tokens: int | None = None):
+    """A function timing one more stretch of `tokens` (STRETCH) tokens of `runner`'s compiled decode loop on
+    `prompt`'s cache (or from `state`, its prefill): seconds per step as `counter` counts them. A first stretch warms
+    it up. Every stretch starts from that state (a copy), decoding the same text, so that stretches differ by the
+    machine's noise alone, not by what they decode."""
     from s3djax.speculative.gate import stretch
 
-    box = [runner.prefill(prompt) if state is None else state]
-    start = jax.block_until_ready(jax.tree.map(jnp.copy, box[0])) if same else None
-    decode = runner._compiled("decode", runner.decoder.decode, box[0], jnp.int32(0))[0]
+    tokens = tokens or STRETCH
+    start = jax.block_until_ready(jax.tree.map(jnp.copy, runner.prefill(prompt) if state is None else state))
+    decode = runner._compiled("decode", runner.decoder.decode, start, jnp.int32(0))[0]
 
     def once(n: int = tokens) -> float | None:
-        if same:
-            box[0] = jax.block_until_ready(jax.tree.map(jnp.copy, start))  # the loop donates what it is given
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, start))  # the loop donates what it is given
         # What is decoded is never shown, so an EOS does not end the timing.
-        box[0], steps, seconds = stretch(decode, runner.params, {**box[0], "done": jnp.zeros_like(box[0]["done"])},
-                                         n, counter)
+        _, steps, seconds = stretch(decode, runner.params, {**fresh, "done": jnp.zeros_like(fresh["done"])}, n, counter)
         return seconds / steps if steps else None
     once(4)
     return once
 
 
 def step_costs(method: str, build, depths: list[int], setting: dict, *, measure: bool,
-               record: dict | None = None) -> dict | None:
+               record: dict | None = None, prompt_ids=None) -> dict | None:
     """The cached step times for this machine and setting, else measured now (one line says so) where `measure`, as
-    far as `record` says deeper depths stop paying (`measure_costs`); None where neither."""
+    far as `record` says deeper depths stop paying (`measure_costs`, on `prompt_ids()` where given); None where
+    neither."""
     k = _key(method, setting)
     table = user_cache.read_table(TABLE, _valid)
     if k in table and mode() != "again":
@@ -224,7 +246,7 @@ def step_costs(method: str, build, depths: list[int], setting: dict, *, measure:
         return None
     print(f"measuring {method}'s step times on this machine to choose its depth (once)...", file=sys.stderr,
           flush=True)
-    costs = measure_costs(method, build, depths, record)
+    costs = measure_costs(method, build, depths, record, prompt=prompt_ids() if prompt_ids else None)
     table[k] = {**costs, "method": method, "device": device.describe(), "date": datetime.date.today().isoformat()}
     user_cache.write_table(TABLE, table)
     return costs
@@ -241,23 +263,26 @@ class Choice:
 
 
 def depth(method: str, build, setting: dict, *, model: str, draft_path: str | None, greedy: bool,
-          lookup_switch: int = 0, measure: bool = True, fixed: tuple[int, str] | None = None) -> Choice:
+          lookup_switch: int = 0, measure: bool = True, fixed: tuple[int, str] | None = None,
+          prompt_ids=None) -> Choice:
     """The chain depth for `method`: the speed model's best where a record and this machine's step times exist
     (measuring them once where `measure`), else `fixed`, (depth, where it comes from), by default the data file's.
     `build(g)`: the method built at depth g with everything else as it will run, its model draft always running;
-    `setting`: what that build depends on besides the depth, the step times' cache key."""
+    `setting`: what that build depends on besides the depth, the step times' cache key; `prompt_ids()`: the timing
+    text's ids (None: a made-up context)."""
     g_fixed, source = fixed or (fallback("depth", method), "configs/defaults.yaml")
     if mode() == "fixed":
         return Choice(g_fixed, f"{source}: {ENV}=fixed")
     record = acceptance_record(model, method, draft_path, greedy, lookup_switch)
     if record is None:
         return Choice(g_fixed, f"{source}: no acceptance record for this draft")
-    costs = step_costs(method, build, sorted(record), setting, measure=measure, record=record)
+    costs = step_costs(method, build, sorted(record), setting, measure=measure, record=record, prompt_ids=prompt_ids)
     if costs is None:
         return Choice(g_fixed, f"{source}: step times not measured yet")
     g, predicted = speed_model.best_depth(record, costs)
     top = max(predicted, key=predicted.get)
-    within = (f" (depth {top} {predicted[top]:.2f}x, within the timings' {costs['spread']:.0%} spread)"
+    within = (f" (depth {top} {predicted[top]:.2f}x, within the timings' "
+              f"{speed_model.comparison_error(costs, g, top):.1%} error)"
               if top != g else "")
     return Choice(g, f"chosen on this machine, predicted {predicted[g]:.2f}x ar{within}", predicted, costs, record,
                   _key(method, setting))
@@ -267,7 +292,6 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
 
 BATCH_TABLE = "batch-step-times.json"
 BATCH_VERSION = 3  # 2: timed on real text, the continuation of a prompt; 3: each stretch from the same state
-BATCH_ROUNDS = 5
 
 
 def _valid_batch(entry) -> bool:
@@ -303,9 +327,8 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt
         state = batch.prefill(prompt, rows=rows)
         if decoder.drafter.force is not None:  # every step drafts by the model, as at one row (`measure_costs`)
             state = {**state, "drafter": decoder.drafter.force(state["drafter"], False)}
-        timers = [loop_timer(ar, prompt, ar.prefill(prompt, rows=rows), "step", 48, True),
-                  loop_timer(batch, prompt, state, "iteration", 48, True)]
-        (ar_s, _), (step_s, spread) = alternate(timers, BATCH_ROUNDS)
+        timers = [loop_timer(ar, prompt, ar.prefill(prompt, rows=rows)), loop_timer(batch, prompt, state, "iteration")]
+        (ar_s, _), (step_s, spread) = alternate(timers, ROUNDS)
         table[k] = {"ar": ar_s, "step": step_s, "spread": spread, "rows": rows, "method": method,
                     "device": device.describe(), "date": datetime.date.today().isoformat()}
         user_cache.write_table(BATCH_TABLE, table)

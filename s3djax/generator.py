@@ -206,7 +206,7 @@ class Generator:
 
     def _timing_text(self) -> list[int]:
         """The ids of the text this machine's step times are measured on (the pause gate's, a batch's)."""
-        return encode_prompt(self.tokenizer, gate.PROMPT, False)
+        return gate.prompt_ids(self.tokenizer)
 
     def _key(self, method: str | None, sampling: Sampling, options: dict, defaults: bool = True) -> tuple:
         """What a built method depends on besides the weights."""

@@ -30,16 +30,30 @@ def speedups(record: dict, costs: dict) -> dict[int, float]:
             for g, r in sorted(record.items()) if g in costs["draft"] and g in costs["verify"]}
 
 
+def comparison_error(costs: dict, g: int, h: int) -> float:
+    """How far the measured ratio of depth g's step to depth h's may be off, a share: the standard error of the
+    median of that ratio round by round (costs["rounds"], {g: [each round's step against `ar`'s, None where not
+    timed]}), from the median absolute deviation, so one stretch another process slowed does not widen it. 0 where
+    fewer than two rounds timed both."""
+    import statistics
+
+    pairs = [a / b for a, b in zip(costs.get("rounds", {}).get(g, ()), costs.get("rounds", {}).get(h, ())) if a and b]
+    if len(pairs) < 2:
+        return 0.0
+    m = statistics.median(pairs)
+    return 1.2533 * 1.4826 * statistics.median(abs(x / m - 1) for x in pairs) / len(pairs) ** 0.5
+
+
 def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
-    """(the depth to run, every depth's predicted speedup): the shallowest whose prediction is within the step times'
-    spread (costs["spread"], a share; none where absent) of the best. Where the curve is that flat, which depth
-    predicts fastest is the timing's noise, and a deeper chain also stakes more on the record's acceptance holding
-    for the user's prompts (its last drafts are the ones accepted least)."""
+    """(the depth to run, every depth's predicted speedup): the shallowest whose prediction is within its comparison
+    with the best's error (`comparison_error`) of the best. Where two depths are that close, which predicts faster
+    is the timing's noise, and a deeper chain also stakes more on the record's acceptance holding for the user's
+    prompts (its last drafts are the ones accepted least)."""
     predicted = speedups(record, costs)
     if not predicted:
         raise ValueError("no depth has both a record and a cost")
-    floor = max(predicted.values()) * (1 - costs.get("spread", 0.0))
-    return min(g for g, p in predicted.items() if p >= floor), predicted
+    top = max(predicted, key=predicted.get)
+    return min(g for g, p in predicted.items() if p >= predicted[top] * (1 - comparison_error(costs, g, top))), predicted
 
 
 # How far below the best a depth's prediction must fall to count as past it: step times spread by a few percent from

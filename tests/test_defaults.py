@@ -17,8 +17,13 @@ RECORD = {1: {"tau": 1.8, "model_drafts": 1.0}, 2: {"tau": 2.4, "model_drafts": 
           3: {"tau": 2.7, "model_drafts": 1.0}, 4: {"tau": 2.85, "model_drafts": 1.0}}
 
 
-def costs(verify: dict, draft: float = 0.004, ar: float = 0.010, spread: float = 0.0) -> dict:
-    return {"ar": ar, "draft": {g: draft * (1 + g / 8) for g in verify}, "verify": verify, "spread": spread}
+def costs(verify: dict, draft: float = 0.004, ar: float = 0.010, error: float = 0.0) -> dict:
+    """Step times, and rounds whose comparisons between two depths are off by `error` (`speed_model.comparison_error`):
+    the shallowest depth's ratio to `ar` moves by a share d in two of three rounds, every other depth's stays."""
+    d = error * 3 ** 0.5 / (1.2533 * 1.4826)
+    first = min(verify)
+    rounds = {g: [1.0, 1.0 + d, 1.0 - d] if g == first else [1.0, 1.0, 1.0] for g in verify}
+    return {"ar": ar, "draft": {g: draft * (1 + g / 8) for g in verify}, "verify": verify, "rounds": rounds}
 
 
 def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
@@ -45,17 +50,26 @@ def test_the_speed_model_picks_the_depth_its_cost_table_makes_fastest():
         speed_model.best_depth(RECORD, costs({9: 0.01}))
 
 
-def test_a_deeper_chain_is_chosen_only_where_it_predicts_faster_by_more_than_the_timings_spread():
+def test_a_deeper_chain_is_chosen_only_where_it_predicts_faster_by_more_than_its_comparisons_error():
     # Worked by hand, draft 4 ms * (1 + g / 8), ar 10 ms: 2.4 * 10 / (5 + 9.9) = 1.611 at g = 2, 2.7 * 10 / (5.5 +
     # 11.2) = 1.617 at g = 3, 2.85 * 10 / (6 + 11.6) = 1.619 at g = 4; deeper is 0.5% faster at most.
     flat = {1: 0.0095, 2: 0.0099, 3: 0.0112, 4: 0.0116}
     assert speed_model.best_depth(RECORD, costs(flat))[0] == 4  # timings taken as exact
-    assert speed_model.best_depth(RECORD, costs(flat, spread=0.004))[0] == 3
-    assert speed_model.best_depth(RECORD, costs(flat, spread=0.03))[0] == 2
-    # g = 1 predicts 1.8 * 10 / (4.5 + 9.5) = 1.286, 21% below the best: only a spread that wide reaches it.
-    assert speed_model.best_depth(RECORD, costs(flat, spread=0.25))[0] == 1
-    # A steep curve's best is far ahead of its neighbours: a few percent of spread leaves it.
-    assert speed_model.best_depth(RECORD, costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}, spread=0.03))[0] == 2
+    # g = 1 predicts 1.8 * 10 / (4.5 + 9.5) = 1.286, 21% below the best: only an error that wide reaches it, and the
+    # comparisons of 2 and 3 with 4 are exact here, so nothing less takes them.
+    assert speed_model.best_depth(RECORD, costs(flat, error=0.03))[0] == 4
+    assert speed_model.best_depth(RECORD, costs(flat, error=0.25))[0] == 1
+    shallow = {**costs(flat), "rounds": {1: [1.0, 1.0, 1.0], 2: [1.0, 1.02, 0.98], 3: [1.0, 1.0, 1.0],
+                                          4: [1.0, 1.0, 1.0]}}
+    assert speed_model.comparison_error(shallow, 2, 4) == pytest.approx(1.2533 * 1.4826 * 0.02 / 3 ** 0.5)
+    assert speed_model.best_depth(RECORD, shallow)[0] == 2  # 0.5% below the best, within its 2.1% error
+    # The error is of the ratio between two depths round by round: a spell that moves both alike does not widen it.
+    spell = {**costs(flat), "rounds": {g: [1.0, 1.3, 1.0] for g in flat}}
+    assert speed_model.comparison_error(spell, 2, 4) == 0.0 and speed_model.best_depth(RECORD, spell)[0] == 4
+    # Fewer than two rounds timing both depths: no error to go by.
+    assert speed_model.comparison_error({"rounds": {1: [None, 1.0], 2: [1.0, 1.1]}}, 1, 2) == 0.0
+    # A steep curve's best is far ahead of its neighbours: a few percent of error leaves it.
+    assert speed_model.best_depth(RECORD, costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}, error=0.03))[0] == 2
 
 
 @pytest.fixture
@@ -69,7 +83,7 @@ def machine(tmp_path, monkeypatch):
     monkeypatch.setattr(defaults, "acceptance_path", lambda model: str(path))
     state = types.SimpleNamespace(calls=0, table=costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}))
 
-    def measure(method, build, depths, record):
+    def measure(method, build, depths, record, prompt=None):
         state.calls += 1
         assert depths == [1, 2, 3, 4] and record == RECORD
         return state.table
@@ -182,21 +196,56 @@ def split(steps, drafts, ar):
     return ({g: round(v, 6) for g, v in draft.items()}, {g: round(v, 6) for g, v in verify.items()})
 
 
-def test_measuring_times_each_depths_own_loop_on_a_real_model():
+@pytest.fixture
+def short_timing(monkeypatch):
+    """The measurement as it runs, in fewer and shorter stretches: what is checked is what it measures."""
+    monkeypatch.setattr(defaults, "STRETCH", 8)
+    monkeypatch.setattr(defaults, "ROUNDS", 3)
+
+
+def test_measuring_times_each_depths_own_loop_round_robin_on_a_real_model(short_timing, monkeypatch):
     m = tiny_model()
     m = dataclasses.replace(m, tokenizer=types.SimpleNamespace(pad_token_id=0))
+    made, calls = [], []
+
+    def labelled(*args, **kw):  # the loops in the order they were made: `ar`'s, then depth 1's, then depth 3's
+        timer, label = timer_of(*args, **kw), len(made)
+        made.append(label)
+        return lambda: calls.append(label) or timer()
+    timer_of = defaults.loop_timer
+    monkeypatch.setattr(defaults, "loop_timer", labelled)
 
     def build(g):
         return methods.build("s3d", m, max_cache_len=defaults.CACHE_LEN, draft_path="none", gamma=g, lookup=1)
-    measured = defaults.measure_costs("s3d", build, [1, 3])
-    assert set(measured) == {"ar", "draft", "verify", "spread"}
+    measured = defaults.measure_costs("s3d", build, [1, 3], prompt=list(range(5, 25)))
+    # A round as each depth joins, then rounds of all until the last has ROUNDS (3).
+    assert calls == [0, 1] + [0, 1, 2] * 3
+    assert set(measured) == {"ar", "draft", "verify", "rounds"}
     assert set(measured["draft"]) == set(measured["verify"]) == {1, 3}
     assert all(0 < s < 1 for s in [measured["ar"], *measured["draft"].values(), *measured["verify"].values()])
-    assert 0 <= measured["spread"] < 10  # the median of three timings against the fastest
+    # Depth 3 joined in the second round, and each round's stretches are ratios to `ar`'s.
+    assert measured["rounds"][3][0] is None and all(0 < r < 100 for r in measured["rounds"][1])
+
+
+def test_a_depths_step_is_its_median_ratio_to_ars_stretch_of_the_same_round():
+    # Round 2 is a slow spell for every loop; depth 2 joined in round 2; `ar` found its cache full in round 4 (None).
+    times = {"ar": [0.020, 0.030, 0.021, None], 1: [0.026, 0.036, 0.027, 0.030], 2: [None, 0.039, 0.030, 0.031]}
+    costs = defaults.round_robin_costs(times, {1: 0.004, 2: 0.005})
+    assert costs["ar"] == 0.020  # the fastest of `ar`'s stretches
+    # Depth 1's ratios 1.3, 1.2 and 1.2857 (median 1.2857); depth 2's 1.3 and 1.4286 (median 1.3643), times 20 ms.
+    steps = {g: costs["draft"][g] + costs["verify"][g] for g in (1, 2)}
+    assert steps == {1: pytest.approx(0.020 * 0.027 / 0.021), 2: pytest.approx(0.010 * (1.3 + 0.030 / 0.021))}
+    assert costs["draft"] == {1: 0.004, 2: 0.005}
+    assert costs["rounds"] == {1: [pytest.approx(1.3), pytest.approx(1.2), pytest.approx(0.027 / 0.021), None],
+                               2: [None, pytest.approx(1.3), pytest.approx(0.030 / 0.021), None]}
+    # Their comparison's error: the two depths' ratio in rounds 2 and 3 (0.9231, 0.9), its median's standard error from
+    # the median absolute deviation (1.24%), 1.2533 * 1.4826 * 0.0124 / sqrt(2).
+    d = 1 - 0.9 / ((0.9 + 0.036 / 0.039) / 2)
+    assert speed_model.comparison_error(costs, 1, 2) == pytest.approx(1.2533 * 1.4826 * d / 2 ** 0.5)
 
 
 @pytest.mark.parametrize("method", ["self-spec", "kangaroo", "s2d"])
-def test_an_autoregressive_drafters_max_draft_is_measured_as_a_depth(method):
+def test_an_autoregressive_drafters_max_draft_is_measured_as_a_depth(method, short_timing):
     m = dataclasses.replace(tiny_model(), tokenizer=types.SimpleNamespace(pad_token_id=0))
 
     def build(g):
@@ -219,10 +268,14 @@ def test_greedy_s3d_and_lookup_equal_ar_at_the_depths_the_speed_model_chooses(sm
         assert built.decoder.drafter.tree.depth != depth and "the draft file's max draft" in built.draft, built.draft
     monkeypatch.setenv(defaults.ENV, "measure")
     target = {"s3d": 6, "lookup": 5, **drafters}
-    monkeypatch.setattr(defaults, "measure_costs", lambda method, build, depths, record: {
-        "ar": 0.01, "draft": {g: 0.0 for g in depths}, "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths},
-        "spread": 0.02})
+    from s3djax.speculative import gate
     from s3djax.tokenizer import encode_prompt
+
+    def measure(method, build, depths, record, prompt):
+        assert prompt == encode_prompt(smollm2.tokenizer, gate.PROMPT, False)  # the model's own text, not made up
+        return {"ar": 0.01, "draft": {g: 0.0 for g in depths},
+                "verify": {g: 0.01 if g == target[method] else 1.0 for g in depths}, "rounds": {}}
+    monkeypatch.setattr(defaults, "measure_costs", measure)
 
     ids = encode_prompt(smollm2.tokenizer, "List three facts about the Moon, then repeat them.", chat_template=True)
     ar = methods.build("ar", smollm2, max_cache_len=256)

@@ -32,6 +32,8 @@ from s3djax import defaults, device, user_cache
 
 ENV = "S3DJAX_TUNE"
 TABLE = "step-costs.json"
+# The timing text: every step time measured on the machine (the gate's, a depth's, a batch's) is of the model decoding
+# its own continuation of it.
 PROMPT = "Summarize the plot of a famous novel in a few sentences, then say why it is still read today."
 # Tokens decoded in each timed stretch: a warm-up, then drafting (by the model, then freely where the drafter has
 # free steps) and pausing three times each, interleaved, the fastest of each kept: another process taking the cores
@@ -108,6 +110,13 @@ def stretch(decode, params, state, tokens: int, counter: str = "step"):
 def free_steps(drafter, state) -> int:
     """The steps so far whose draft ran no model (a drafter giving way to prompt lookup counts them)."""
     return drafter.stats(state["drafter"]).get("lookup_steps", 0) if drafter.free is not None else 0
+
+
+def prompt_ids(tokenizer) -> list[int] | None:
+    """PROMPT's ids; None where the model has no tokenizer to read it (a made-up model of the tests)."""
+    from s3djax.tokenizer import encode_prompt
+
+    return encode_prompt(tokenizer, PROMPT, False) if callable(tokenizer) else None
 
 
 def tune(runner, prompt_ids, name: str, choice: str | None = None) -> float | None:
