@@ -163,10 +163,6 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
 
     prompt = list(prompt) if prompt else [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
     timers, times, drafts = {}, {}, {}
-
-    def one_round():
-        for name, timer in timers.items():
-            times[name].append(timer())
     for g in sorted(depths):
         built = build(g)
         if not timers:
@@ -182,12 +178,19 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
             state, draft_step = by_the_model(), step_functions(built.decoder)["draft_step_ms"]
             drafts[g] = ms_per_step(lambda p, c: draft_step(p, c, state["length"], state["last"]), built.params,
                                     (state["cache"], state["drafter"]), DRAFT_REPEATS)[0] / 1e3
-        one_round()
+        take_turns(timers, times)
         if record and speed_model.past_best(speed_model.speedups(record, round_robin_costs(times, drafts))):
             break
-    while sum(t is not None for t in times[g]) < ROUNDS:
-        one_round()
+    take_turns(timers, times, ROUNDS - sum(t is not None for t in times[g]))
     return round_robin_costs(times, drafts)
+
+
+def take_turns(timers: dict, times: dict, rounds: int = 1) -> None:
+    """`rounds` more rounds of `timers` ({name: a function timing one more stretch}), a stretch each a round, in
+    turn, each one's seconds a step appended to `times[name]`."""
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            times[name].append(timer())
 
 
 def round_robin_costs(times: dict, drafts: dict) -> dict:
@@ -291,11 +294,9 @@ def depth(method: str, build, setting: dict, *, model: str, draft_path: str | No
 # ------------------------------------------------------------------------------ whether a batch drafts
 
 BATCH_TABLE = "batch-step-times.json"
-BATCH_VERSION = 3  # 2: timed on real text, the continuation of a prompt; 3: each stretch from the same state
-
-
-def _valid_batch(entry) -> bool:
-    return all(isinstance(entry.get(k), float) for k in ("ar", "step", "spread"))
+# 2: timed on real text, the continuation of a prompt; 3: each stretch from the same state; 4: the step a median ratio
+# to `ar`'s in the same round, and its error the tolerance, as a depth's (`round_robin_costs`)
+BATCH_VERSION = 4
 
 
 def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt_ids, *,
@@ -306,34 +307,35 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt
     loops at `rows` rows, timed here in turn (`spec` and `ar`: the method's and the target's Runners as the batch
     will run them) on the text they decode after `prompt_ids()` (a made-up context mis-timed the steps by a quarter,
     docs/sampling.md#batches), once per machine and setting (`batch-step-times.json`). It drafts where that predicts
-    it faster than `ar` by more than the timings' spread; where nothing measured decides, a batch takes the target's
-    own steps."""
+    it faster than `ar` by more than that comparison's error (`speed_model.comparison_error`); where nothing measured
+    decides, a batch takes the target's own steps."""
     g = spec.decoder.drafter.tree.depth  # the depth the method was built with
     if mode() == "fixed" or chosen is None or not chosen.record or g not in chosen.record or chosen.key is None:
         return False, "a batch takes the target's own steps: nothing measured for a batch of this method"
     k = _key(method, {"depth": chosen.key, "g": g, "rows": rows, "cache": spec.decoder.max_cache_len,
                       "version": BATCH_VERSION})
-    table = user_cache.read_table(BATCH_TABLE, _valid_batch)
+    table = user_cache.read_table(BATCH_TABLE, _valid)
     if k not in table or mode() == "again":
         if not measure:
             return False, "a batch takes the target's own steps: its step times not measured yet"
         print(f"measuring {method}'s step times in a batch of {rows} on this machine (once)...", file=sys.stderr,
               flush=True)
         from s3djax.decode import Runner
-        from s3djax.speculative.profile import alternate
 
         prompt, decoder = list(prompt_ids()), spec.decoder.for_rows(rows)
         batch = Runner(decoder, spec.params)
         state = batch.prefill(prompt, rows=rows)
         if decoder.drafter.force is not None:  # every step drafts by the model, as at one row (`measure_costs`)
             state = {**state, "drafter": decoder.drafter.force(state["drafter"], False)}
-        timers = [loop_timer(ar, prompt, ar.prefill(prompt, rows=rows)), loop_timer(batch, prompt, state, "iteration")]
-        (ar_s, _), (step_s, spread) = alternate(timers, ROUNDS)
-        table[k] = {"ar": ar_s, "step": step_s, "spread": spread, "rows": rows, "method": method,
+        timers = {"ar": loop_timer(ar, prompt, ar.prefill(prompt, rows=rows)),
+                  g: loop_timer(batch, prompt, state, "iteration")}
+        times = {name: [] for name in timers}
+        take_turns(timers, times, ROUNDS)
+        table[k] = {**round_robin_costs(times, {g: 0.0}), "rows": rows, "method": method,
                     "device": device.describe(), "date": datetime.date.today().isoformat()}
         user_cache.write_table(BATCH_TABLE, table)
-    entry = table[k]
-    predicted = chosen.record[g]["tau"] * entry["ar"] / entry["step"]
-    drafts = predicted * (1 - entry["spread"]) > 1.0
+    costs = _as_costs(table[k])
+    predicted = speed_model.speedups({g: chosen.record[g]}, costs)[g]  # the whole step, every one drafting
+    drafts = predicted * (1 - speed_model.comparison_error(costs, g)) > 1.0
     verdict = "drafts" if drafts else "takes the target's own steps"
     return drafts, f"a batch of {rows} {verdict}: drafting predicted {predicted:.2f}x ar's batch on this machine"

@@ -30,14 +30,16 @@ def speedups(record: dict, costs: dict) -> dict[int, float]:
             for g, r in sorted(record.items()) if g in costs["draft"] and g in costs["verify"]}
 
 
-def comparison_error(costs: dict, g: int, h: int) -> float:
-    """How far the measured ratio of depth g's step to depth h's may be off, a share: the standard error of the
-    median of that ratio round by round (costs["rounds"], {g: [each round's step against `ar`'s, None where not
-    timed]}), from the median absolute deviation, so one stretch another process slowed does not widen it. 0 where
-    fewer than two rounds timed both."""
+def comparison_error(costs: dict, g: int, h: int | None = None) -> float:
+    """How far the measured ratio of depth g's step to depth h's (to `ar`'s where h is None) may be off, a share: the
+    standard error of the median of that ratio round by round (costs["rounds"], {g: [each round's step against
+    `ar`'s, None where not timed]}), from the median absolute deviation, so one stretch another process slowed does
+    not widen it. 0 where fewer than two rounds timed both."""
     import statistics
 
-    pairs = [a / b for a, b in zip(costs.get("rounds", {}).get(g, ()), costs.get("rounds", {}).get(h, ())) if a and b]
+    rounds = costs.get("rounds", {})
+    mine = rounds.get(g, ())
+    pairs = [a / b for a, b in zip(mine, rounds.get(h, ()) if h is not None else [1.0] * len(mine)) if a and b]
     if len(pairs) < 2:
         return 0.0
     m = statistics.median(pairs)

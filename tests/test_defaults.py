@@ -66,6 +66,8 @@ def test_a_deeper_chain_is_chosen_only_where_it_predicts_faster_by_more_than_its
     # The error is of the ratio between two depths round by round: a spell that moves both alike does not widen it.
     spell = {**costs(flat), "rounds": {g: [1.0, 1.3, 1.0] for g in flat}}
     assert speed_model.comparison_error(spell, 2, 4) == 0.0 and speed_model.best_depth(RECORD, spell)[0] == 4
+    # Against `ar`'s loop itself (a batch's step, `defaults.batch_choice`): each round's ratio as it is.
+    assert speed_model.comparison_error(shallow, 2) == speed_model.comparison_error(shallow, 2, 4)
     # Fewer than two rounds timing both depths: no error to go by.
     assert speed_model.comparison_error({"rounds": {1: [None, 1.0], 2: [1.0, 1.1]}}, 1, 2) == 0.0
     # A steep curve's best is far ahead of its neighbours: a few percent of error leaves it.
@@ -307,7 +309,9 @@ def test_a_batch_drafts_only_where_the_speed_model_predicts_it_beats_ars_batch(m
     assert defaults.batch_choice("s3d", poor, spec, plain, 4, text)[0] is False
     assert capsys.readouterr().err == ""  # the batch's step times came from the cache
     entry = next(iter(json.load(open(user_cache.path(defaults.BATCH_TABLE))).values()))
-    assert entry["rows"] == 4 and 0 < entry["ar"] < entry["step"] < 1
+    # Both loops taken in turn ROUNDS times, the step (its whole, every step drafting) a median ratio to `ar`'s.
+    assert entry["rows"] == 4 and 0 < entry["ar"] < entry["verify"]["2"] < 1 and entry["draft"] == {"2": 0.0}
+    assert len(entry["rounds"]["2"]) == defaults.ROUNDS
     # Where nothing measured decides (no record for the depth built, S3DJAX_DEFAULTS=fixed): the target's own steps.
     assert defaults.batch_choice("s3d", None, spec, plain, 4, text)[0] is False
     assert defaults.batch_choice("s3d", dataclasses.replace(sure, record={3: sure.record[2]}), spec, plain, 4,
