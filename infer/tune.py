@@ -40,12 +40,14 @@ def table(method: str, choices: dict) -> list[str]:
     """Markdown rows: each depth's step times and predicted speed, the chosen depths in bold, and in brackets the error
     of its comparison with the best (`speed_model.comparison_error`)."""
     costs = next(c.costs for c in choices.values() if c.costs)
-    lines = [f"| {method} depth | the model's draft adds, ms | the rest of a step, ms | " + " | ".join(f"{name}: predicted vs `ar`" for name in choices)
-             + " |", "| --- | --- | --- |" + " --- |" * len(choices)]
+    lines = [f"| {method} depth | the model's draft adds, ms | the rest of a step, ms | "
+             + " | ".join(f"{name}: predicted vs `ar`" for name in choices) + " |",
+             "| --- | --- | --- |" + " --- |" * len(choices)]
     for g in sorted(costs["verify"]):
         cells = []
         for c in choices.values():
-            p, top = (c.predicted or {}).get(g), max(c.predicted or {0: 0}, key=(c.predicted or {0: 0}).get)
+            predicted = c.predicted or {0: 0.0}
+            p, top = predicted.get(g), max(predicted, key=predicted.get)
             error = f" ({comparison_error(costs, g, top):.1%})" if g != top else ""
             cells.append("-" if p is None else f"**{p:.2f}x**{error}" if g == c.depth else f"{p:.2f}x{error}")
         lines.append(f"| {g} | {costs['draft'][g] * 1e3:.1f} | {costs['verify'][g] * 1e3:.1f} | " + " | ".join(cells)
@@ -71,9 +73,9 @@ def main(argv=None):
              f"- date: {datetime.date.today().isoformat()}",
              f"- step times: `ar`'s and each depth's own decode loop (`defaults.measure_costs`), in a "
              f"{defaults.CACHE_LEN}-token cache, on the model's continuation of the timing text (`gate.PROMPT`), "
-             f"stretches of {defaults.STRETCH} tokens from the same state, round robin ({defaults.ROUNDS} rounds or more), a "
-             f"depth's step its median ratio to `ar`'s in the same round; the shallowest depth predicted within its "
-             f"comparison's error (in brackets) of the best runs; what each depth commits: "
+             f"stretches of {defaults.STRETCH} tokens from the same state, round robin ({defaults.ROUNDS} rounds or "
+             f"more), a depth's step its median ratio to `ar`'s in the same round; the shallowest depth predicted "
+             f"within its comparison's error (in brackets) of the best runs; what each depth commits: "
              f"configs/acceptance/{args.model}.json (`python -m train.acceptance`)"]
     if blocking:
         lines.append("- CPU matmul blocking, chosen on this machine (s3djax.kernel_tuning): "

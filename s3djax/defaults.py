@@ -140,7 +140,8 @@ def _key(method: str, setting: dict) -> str:
 
 
 def _valid(entry) -> bool:
-    return all(isinstance(entry.get(k), dict) for k in ("draft", "verify", "rounds")) and isinstance(entry.get("ar"), float)
+    return (all(isinstance(entry.get(k), dict) for k in ("draft", "verify", "rounds"))
+            and isinstance(entry.get("ar"), float))
 
 
 def _as_costs(entry: dict) -> dict:

@@ -55,7 +55,8 @@ def best_depth(record: dict, costs: dict) -> tuple[int, dict[int, float]]:
     if not predicted:
         raise ValueError("no depth has both a record and a cost")
     top = max(predicted, key=predicted.get)
-    return min(g for g, p in predicted.items() if p >= predicted[top] * (1 - comparison_error(costs, g, top))), predicted
+    return min(g for g, p in predicted.items()
+               if p >= predicted[top] * (1 - comparison_error(costs, g, top))), predicted
 
 
 # How far below the best a depth's prediction must fall to count as past it: step times spread by a few percent from

@@ -319,3 +319,13 @@ def test_a_batch_drafts_only_where_the_speed_model_predicts_it_beats_ars_batch(m
     monkeypatch.setenv(defaults.ENV, "fixed")
     assert defaults.batch_choice("s3d", sure, spec, plain, 4, text) == (
         False, "a batch takes the target's own steps: nothing measured for a batch of this method")
+
+
+def test_the_tune_table_gives_each_depths_error_against_the_best():
+    from infer.tune import table
+
+    measured = costs({1: 0.010, 2: 0.0105, 3: 0.014, 4: 0.018}, error=0.03)
+    g, predicted = speed_model.best_depth(RECORD, measured)
+    rows = table("s3d", {"greedy": defaults.Choice(g, "chosen", predicted, measured, RECORD, "k")})
+    assert rows[2] == f"| 1 | 4.5 | 10.0 | {predicted[1]:.2f}x (3.0%) |"  # 3% off in its comparison with 2, the best
+    assert rows[3] == f"| 2 | 5.0 | 10.5 | **{predicted[2]:.2f}x** |"  # chosen, and the best: nothing to compare
