@@ -160,7 +160,7 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
     slower than the best (`speed_model.past_best`). `prompt`: the timing text's ids (`gate.prompt_ids`), where the
     model can read it."""
     from s3djax.decode import Runner
-    from s3djax.speculative.profile import ms_per_step, step_functions
+    from s3djax.speculative.profile import ms_per_step, step_functions, take_turns
 
     prompt = list(prompt) if prompt else [(7 * i) % 1000 + 100 for i in range(CONTEXT)]
     timers, times, drafts = {}, {}, {}
@@ -184,14 +184,6 @@ def measure_costs(method: str, build, depths: list[int], record: dict | None = N
             break
     take_turns(timers, times, ROUNDS - sum(t is not None for t in times[g]))
     return round_robin_costs(times, drafts)
-
-
-def take_turns(timers: dict, times: dict, rounds: int = 1) -> None:
-    """`rounds` more rounds of `timers` ({name: a function timing one more stretch}), a stretch each a round, in
-    turn, each one's seconds a step appended to `times[name]`."""
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            times[name].append(timer())
 
 
 def round_robin_costs(times: dict, drafts: dict) -> dict:
@@ -322,6 +314,7 @@ def batch_choice(method: str, chosen: Choice | None, spec, ar, rows: int, prompt
         print(f"measuring {method}'s step times in a batch of {rows} on this machine (once)...", file=sys.stderr,
               flush=True)
         from s3djax.decode import Runner
+        from s3djax.speculative.profile import take_turns
 
         prompt, decoder = list(prompt_ids()), spec.decoder.for_rows(rows)
         batch = Runner(decoder, spec.params)

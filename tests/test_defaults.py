@@ -168,20 +168,20 @@ def test_where_nothing_measured_decides_a_drafter_takes_the_depth_its_file_gives
     assert choose(fixed=fixed).how == f"the draft file's max draft: {defaults.ENV}=fixed"
 
 
-def test_loops_are_timed_in_turn_and_each_keeps_its_fastest_stretch():
+def test_loops_are_timed_in_turn_and_every_stretch_is_kept():
     calls = []
 
     def timer(name, seconds):
         stretches = iter(seconds)
         return lambda: calls.append(name) or next(stretches)
-    # A slow spell of the machine in the second round slows both loops; each keeps its own fastest stretch.
-    (ar, ar_spread), (step, spread) = profile.alternate([timer("ar", [0.020, 0.030, 0.021]),
-                                                         timer("g", [0.026, 0.039, 0.025])])
+    # A slow spell of the machine in the second round slows both loops, which took turns through it.
+    times = {"ar": [], "g": [0.9]}
+    profile.take_turns({"ar": timer("ar", [0.020, 0.030, 0.021]), "g": timer("g", [0.026, 0.039, None])}, times, 3)
     assert calls == ["ar", "g"] * 3
-    assert (ar, step) == (0.020, 0.025)
-    assert ar_spread == pytest.approx(0.05) and spread == pytest.approx(0.04)
-    # A stretch that found the cache full (None) is not a timing.
-    assert profile.alternate([timer("full", [0.010, None, 0.012])], rounds=3) == [(0.010, pytest.approx(0.2))]
+    # Appended to what was there; a stretch that found the cache full (None) is kept as None, not a timing.
+    assert times == {"ar": [0.020, 0.030, 0.021], "g": [0.9, 0.026, 0.039, None]}
+    profile.take_turns({"ar": timer("ar", [])}, times, 0)
+    assert calls == ["ar", "g"] * 3  # no rounds left to take: nothing timed
 
 
 def test_a_step_splits_into_draft_and_verify_by_the_fastest_ar_whenever_it_was_timed():

@@ -46,7 +46,8 @@ def ms_per_step(step, params, cache, repeats: int):
 
 def ms_per_steps(steps: dict, params, carry, repeats: int, rounds: int = 3):
     """({name: milliseconds a step takes}, the carry after) for each of `steps` (sharing one carry's shapes), their
-    compiled loops run in turn `rounds` times (`alternate`), each step's fastest run kept."""
+    compiled loops run in turn `rounds` times (`take_turns`), each step's fastest run kept (another process slows a
+    run, never speeds it)."""
     runs = {}
     for name, step in steps.items():
         runs[name], carry = compiled_loop(step, params, carry, repeats)
@@ -59,26 +60,19 @@ def ms_per_steps(steps: dict, params, carry, repeats: int, rounds: int = 3):
             jax.block_until_ready(acc)
             return (time.perf_counter() - t) / repeats * 1000
         return once
-    timed = alternate([timer(run) for run in runs.values()], rounds)
-    return {name: ms for name, (ms, _) in zip(runs, timed)}, box[0]
+    times = {name: [] for name in runs}
+    take_turns({name: timer(run) for name, run in runs.items()}, times, rounds)
+    return {name: min(ms) for name, ms in times.items()}, box[0]
 
 
-def alternate(timers, rounds: int = 3) -> list[tuple[float, float]]:
-    """(time, spread) for each of `timers` (functions timing one more run, None where nothing ran), timed in turn
-    `rounds` times: the fastest run (another process slows a run, never speeds it), and how much slower the median run
-    was, a share of the fastest: how far apart two timings of the same thing fall on this machine now. Taking turns
-    puts a slow spell of the machine on every timer alike, where timing one after another put it on whichever ran then
-    (on a shared machine the first loop a process timed often read slowest, docs/defaults.md)."""
-    times = [[] for _ in timers]
+def take_turns(timers: dict, times: dict, rounds: int = 1) -> None:
+    """`rounds` more rounds of `timers` ({name: a function timing one more run, None where nothing ran}), a run each
+    a round, in turn, each one's time appended to `times[name]`. Taking turns puts a slow spell of the machine on
+    every timer alike, where timing one after another put it on whichever ran then (on a shared machine the first
+    loop a process timed often read slowest, docs/defaults.md)."""
     for _ in range(rounds):
-        for timer, kept in zip(timers, times):
-            if (t := timer()) is not None:
-                kept.append(t)
-    out = []
-    for kept in times:
-        kept.sort()
-        out.append((kept[0], kept[len(kept) // 2] / kept[0] - 1))
-    return out
+        for name, timer in timers.items():
+            times[name].append(timer())
 
 
 def forward_step(ar, tokens, length):
