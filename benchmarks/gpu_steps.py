@@ -40,12 +40,14 @@ class Setting:
     quant: str = "none"
     s3d: bool = False         # also S3D's draft and verify steps, and the 64-node tree's verify
     alone: int | None = None  # pallas_kernels.tree_attention.ALONE (0: split every cache, as before 2026-11-29)
+    xla: str = ""             # more XLA options for every step (compile_options.OPTIONS_ENV)
 
     def about(self) -> str:
         return (f"{self.attention} attention, {'[out, in] linears, q/k/v joined' if self.transposed else '[in, out] linears'}, "
                 f"{'whole-loop graphs' if self.graphs else 'XLA default graphs'}"
                 + (f", {self.quant} weights" if self.quant != "none" else "")
-                + (f", attention split past {self.alone} keys x head dim" if self.alone is not None else ""))
+                + (f", attention split past {self.alone} keys x head dim" if self.alone is not None else "")
+                + (f", XLA options {self.xla}" if self.xla else ""))
 
 
 # In priority order: the new defaults first, then what the first lease ran, then one change at a time.
@@ -60,6 +62,9 @@ SETTINGS = {
     "smollm2/xla-transposed-graphs": Setting("smollm2-135m", "xla", True, True),
     "smollm2/pallas-graphs": Setting("smollm2-135m", "pallas", False, True),
     "7b/int8": Setting("llama-2-7b", "pallas", True, True, quant="int8"),
+    # Compiled without a device, XLA splits the o and down GEMMs along K for one row, each split-K sum a launch of its
+    # own (docs/gpu-compile.md): whether the unsplit GEMMs read the weights as fast, only a GPU says.
+    "7b/split-k-1": Setting("llama-2-7b", "pallas", True, True, xla="xla_gpu_experimental_force_split_k=1"),
 }
 SETTING_LIMIT_S = 180  # a setting that hangs (a graph that never returns) loses this much of the call, not all of it
 
@@ -84,6 +89,7 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
 
         tree_attention.ALONE = s.alone
     os.environ[compile_options.ENV] = compile_options.COMMAND_BUFFERS if s.graphs else compile_options.XLA_DEFAULT
+    os.environ[compile_options.OPTIONS_ENV] = s.xla
     config = dataclasses.replace(registry.entries()[s.model].config(), attention=s.attention, cpu_kernel=False)
     if quick:
         config = dataclasses.replace(config, num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4,

@@ -240,6 +240,9 @@ KERNEL_LINE = re.compile(r"(\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+sh
 PTXAS = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
          "spill_store_bytes": r"(\d+) bytes spill stores", "spill_load_bytes": r"(\d+) bytes spill loads"}
 PALLAS_KERNELS = ("tree_attention", "int8_matmul", "rms_norm")
+# A GEMM XLA hands to cuBLAS or cuDNN (no Triton GEMM fusion: below XLA's size threshold, or with it turned off) is a
+# thunk without a kernel line.
+LIBRARY_LINE = re.compile(r"^\s*\d+: (kGemm|kCublasLtMatmul|kCuDnn\w*|kConvolution\w*)\b", re.M)
 
 
 def ptxas() -> str | None:
@@ -256,9 +259,13 @@ def kernels_from_dump(dump: str) -> list[dict]:
     out = {}
     for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
         with open(path) as f:
-            for name, grid, threads, smem in KERNEL_LINE.findall(f.read()):
+            text = f.read()
+            for name, grid, threads, smem in KERNEL_LINE.findall(text):
                 out.setdefault(name, {"name": name, "grid": grid.replace(" ", ""), "threads": threads.replace(" ", ""),
                                       "shared_bytes": int(smem), "launches": 0})["launches"] += 1
+            for kind in LIBRARY_LINE.findall(text):  # a library's own kernels: at least one launch each
+                library = {"name": kind, "grid": "-", "threads": "-", "shared_bytes": 0, "launches": 0}
+                out.setdefault(kind, library)["launches"] += 1
     tool = ptxas()
     for path in glob.glob(os.path.join(dump, "*.ptx")):
         with open(path) as f:

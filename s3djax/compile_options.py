@@ -18,6 +18,9 @@ COMMAND_BUFFERS = XLA_DEFAULT + ",WHILE"
 # S3DJAX_COMMAND_BUFFERS replaces the list (XLA's names, comma-separated; empty: none), to measure or to step
 # around a driver that cannot run conditional nodes.
 ENV = "S3DJAX_COMMAND_BUFFERS"
+# S3DJAX_XLA_OPTIONS adds XLA options to every step's ("name=value name=value"): for a GPU lease or the H100 compile
+# to try one against the defaults (benchmarks.gpu_steps's settings, benchmarks.h100_compile's run_case).
+OPTIONS_ENV = "S3DJAX_XLA_OPTIONS"
 
 
 def for_step(params, platform: str | None = None) -> dict:
@@ -27,7 +30,21 @@ def for_step(params, platform: str | None = None) -> dict:
     # WHILE turns a loop whose body was a graph into one with no graph at all.
     smallest = {"xla_gpu_graph_min_graph_size": 1} if "WHILE" in buffers.split(",") else {}
     return {"xla_gpu_enable_command_buffer": buffers, **smallest, **quant.compiler_options(params),
-            **exact_rounding(platform or jax.default_backend())}
+            **exact_rounding(platform or jax.default_backend()), **extra_options(os.environ.get(OPTIONS_ENV, ""))}
+
+
+def extra_options(text: str) -> dict:
+    """`name=value` pairs, space-separated, as XLA options: integers and true / false as such, the rest as text."""
+    out = {}
+    for item in text.split():
+        name, sep, value = item.partition("=")
+        if not (sep and value and name.startswith("xla_")):
+            from s3djax.errors import UserError
+
+            raise UserError(f"{OPTIONS_ENV} takes XLA options as name=value pairs, space-separated; got {item!r}")
+        number = value.lstrip("-").isdigit()
+        out[name] = {"true": True, "false": False}.get(value.lower(), int(value) if number else value)
+    return out
 
 
 def exact_rounding(platform: str) -> dict:

@@ -89,3 +89,26 @@ def test_int8_products_on_xla_compile_without_dot_merging():
     xla, pallas = quant.linear(w, "int8", jnp.bfloat16), quant.linear(w, "int8", jnp.bfloat16, "pallas")
     assert quant.compiler_options(({"layers_0": {"q": xla}, "embed": w}, {})) == {"xla_gpu_dot_merger_threshold_mb": 0}
     assert quant.compiler_options({"layers_0": {"q": pallas}}) == quant.compiler_options({"layers_0": {"q": w}}) == {}
+
+
+def test_more_xla_options_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(compile_options.OPTIONS_ENV, "xla_gpu_experimental_force_split_k=1 xla_gpu_enable_triton_gemm=false"
+                       " xla_gpu_enable_command_buffer=FUSION,CUBLAS")
+    options = compile_options.for_step({}, "cuda")
+    assert options["xla_gpu_experimental_force_split_k"] == 1 and options["xla_gpu_enable_triton_gemm"] is False
+    assert options["xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS"  # given, it replaces the default list
+    monkeypatch.setenv(compile_options.OPTIONS_ENV, "force_split_k=1")
+    with pytest.raises(UserError, match="takes XLA options as name=value pairs"):
+        compile_options.for_step({}, "cuda")
+
+
+def test_the_7b_loop_without_split_k_sums_and_a_cublas_gemm_counted_as_a_launch(compiler):
+    # Without a device XLA splits the o and down GEMMs along K for one row (397 launches, each split-K sum a kernel
+    # of its own); unsplit, those sums are gone. With Triton's GEMMs off, cuBLAS runs the products: the report's
+    # count takes each of its calls as a launch, though no kernel line names it.
+    case = "step/llama-2-7b/bf16-pallas/ar/loop"
+    unsplit = h100_compile.run_case(case, env={compile_options.OPTIONS_ENV: "xla_gpu_experimental_force_split_k=1"})
+    cublas = h100_compile.run_case(case, env={compile_options.OPTIONS_ENV: "xla_gpu_enable_triton_gemm=false"})
+    assert unsplit["ok"] and cublas["ok"], (unsplit.get("error"), cublas.get("error"))
+    assert unsplit["launches"] <= 333 and unsplit["compiler_options"]["xla_gpu_experimental_force_split_k"] == 1
+    assert abs(cublas["launches"] - unsplit["launches"]) <= 2, (cublas["launches"], unsplit["launches"])
