@@ -89,7 +89,7 @@ def measure(name: str, quick: bool, context: int, new_tokens: int, emit) -> None
 
         tree_attention.ALONE = s.alone
     os.environ[compile_options.ENV] = compile_options.COMMAND_BUFFERS if s.graphs else compile_options.XLA_DEFAULT
-    os.environ[compile_options.OPTIONS_ENV] = s.xla
+    os.environ[compile_options.OPTIONS_ENV] = f"{os.environ.get(compile_options.OPTIONS_ENV, '')} {s.xla}".strip()
     config = dataclasses.replace(registry.entries()[s.model].config(), attention=s.attention, cpu_kernel=False)
     if quick:
         config = dataclasses.replace(config, num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4,
