@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 
 import jax
 
@@ -33,17 +35,24 @@ def for_step(params, platform: str | None = None) -> dict:
             **exact_rounding(platform or jax.default_backend()), **extra_options(os.environ.get(OPTIONS_ENV, ""))}
 
 
+@functools.cache
 def extra_options(text: str) -> dict:
-    """`name=value` pairs, space-separated, as XLA options: integers and true / false as such, the rest as text."""
+    """`name=value` pairs, space-separated, as XLA options: integers and true / false as such, the rest as text.
+    XLA checks the names and values once, on a trivial program (its options are the same for every backend)."""
+    from s3djax.errors import UserError
+
     out = {}
     for item in text.split():
         name, sep, value = item.partition("=")
         if not (sep and value and name.startswith("xla_")):
-            from s3djax.errors import UserError
-
             raise UserError(f"{OPTIONS_ENV} takes XLA options as name=value pairs, space-separated; got {item!r}")
-        number = value.lstrip("-").isdigit()
+        number = re.fullmatch(r"-?\d+", value)
         out[name] = {"true": True, "false": False}.get(value.lower(), int(value) if number else value)
+    if out:
+        try:
+            jax.jit(lambda x: x + 1).lower(0.0).compile(out)
+        except jax.errors.JaxRuntimeError as e:
+            raise UserError(f"{OPTIONS_ENV}: {str(e).splitlines()[0]}") from None
     return out
 
 

@@ -92,11 +92,16 @@ def test_int8_products_on_xla_compile_without_dot_merging():
 
 
 def test_more_xla_options_come_from_the_environment(monkeypatch):
-    monkeypatch.setenv(compile_options.OPTIONS_ENV, "xla_gpu_experimental_force_split_k=1 xla_gpu_enable_triton_gemm=false"
-                       " xla_gpu_enable_command_buffer=FUSION,CUBLAS")
+    monkeypatch.setenv(compile_options.OPTIONS_ENV, "xla_gpu_experimental_force_split_k=1"
+                       " xla_gpu_enable_triton_gemm=false xla_gpu_enable_command_buffer=FUSION,CUBLAS")
     options = compile_options.for_step({}, "cuda")
     assert options["xla_gpu_experimental_force_split_k"] == 1 and options["xla_gpu_enable_triton_gemm"] is False
     assert options["xla_gpu_enable_command_buffer"] == "FUSION,CUBLAS"  # given, it replaces the default list
+    # XLA checks the names and the values: each refusal is one line naming the variable.
+    for bad, why in (("xla_no_such_option=1", "No such compile option"), ("xla_gpu_experimental_force_split_k=--1",
+                                                                          "not a valid int32")):
+        with pytest.raises(UserError, match=f"{compile_options.OPTIONS_ENV}: .*{why}"):
+            compile_options.extra_options(bad)
     monkeypatch.setenv(compile_options.OPTIONS_ENV, "force_split_k=1")
     with pytest.raises(UserError, match="takes XLA options as name=value pairs"):
         compile_options.for_step({}, "cuda")
