@@ -3,9 +3,10 @@
     .venv/bin/python -m pytest -n auto --dist loadgroup -p tests.compile_profile tests
     .venv/bin/python -m tests.compile_profile          # the table of the last such run
 
-Each worker writes one JSON list to .compile-profile/ (git-ignored): per test, its wall seconds, XLA's backend
-compile seconds and executables, tracing and lowering seconds, and persistent-cache hits. A test that starts a
-process of its own (a command line, the GPU suite) shows its wall time only.
+Each worker writes one JSON list to .compile-profile/ (git-ignored; S3DJAX_COMPILE_PROFILE names another folder): per
+test, its wall seconds, XLA's backend compile seconds and executables, tracing and lowering seconds, and
+persistent-cache hits. A test that starts a process of its own (a command line, the GPU suite) shows its wall time
+only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 
 import pytest
 
-FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".compile-profile")
+FOLDER = os.environ.get("S3DJAX_COMPILE_PROFILE") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".compile-profile")
 EVENTS = {"/jax/core/compile/backend_compile_duration": "compile_s",
           "/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s"}
