@@ -57,7 +57,8 @@ def pytest_sessionfinish(session):
     if not _rows:
         return
     os.makedirs(FOLDER, exist_ok=True)
-    with open(os.path.join(FOLDER, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json"), "w") as f:
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")  # not the environment's: a test's
+    with open(os.path.join(FOLDER, f"{worker}.json"), "w") as f:                 # pytest inherits a worker's
         json.dump(_rows, f)
 
 
