@@ -23,6 +23,7 @@ FORMS = {  # name: (dtype, quantization, CPU kernel), and what the weights are
     "bf16": ("bfloat16", None, True),
     "int8": ("float32", "int8", True),
     "int8-all": ("float32", "int8-all", True),
+    "w8a8": ("float32", "w8a8", True),
 }
 PEERS = ("llamacpp-f32", "llamacpp-q8_0", "llamacpp-gguf")
 

@@ -33,6 +33,11 @@ struct Avx2 {
   using VI = __m256i;
   static constexpr bool kDotPairs = false;
   static VI loadi(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static VI loadi(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  // int8 quads (Layout::kQuads): byte t of each lane, sign-extended, as a float (no int8 dot instruction here).
+  static constexpr bool kInt8Dot = false;
+  template <int t>
+  static V quad_byte(VI v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * t), 24)); }
   static V even(VI v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
   static V odd(VI v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536))); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -59,7 +64,7 @@ struct Avx2 {
   }
 };
 
-const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, Avx2::kDotPairs, &Loops<Avx2>::Tiles,
+const s3d::Kernels kAvx2 = {"avx2", Avx2::W, Loops<Avx2>::kPanel, Avx2::kDotPairs, Avx2::kInt8Dot, &Loops<Avx2>::Tiles,
                              &Loops<Avx2>::Run, &Attention<Avx2>::Run, &Attention<Avx2>::Combine};
 
 }  // namespace

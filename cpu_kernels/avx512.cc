@@ -3,8 +3,9 @@
 
 namespace {
 
-const s3d::Kernels kAvx512 = {"avx512", Avx512::W, Loops<Avx512>::kPanel, Avx512::kDotPairs, &Loops<Avx512>::Tiles,
-                               &Loops<Avx512>::Run, &Attention<Avx512>::Run, &Attention<Avx512>::Combine};
+const s3d::Kernels kAvx512 = {"avx512", Avx512::W, Loops<Avx512>::kPanel, Avx512::kDotPairs, Avx512::kInt8Dot,
+                               &Loops<Avx512>::Tiles, &Loops<Avx512>::Run, &Attention<Avx512>::Run,
+                               &Attention<Avx512>::Combine};
 
 }  // namespace
 

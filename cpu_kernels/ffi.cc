@@ -6,7 +6,9 @@
 #include <sched.h>
 
 #include <atomic>
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
 #include <vector>
@@ -38,7 +40,8 @@ const s3d::Kernels* ChooseKernels() {
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && !narrower("avx2");
-  if (avx512 && __builtin_cpu_supports("avx512bf16") && !narrower("avx512")) return s3d::Avx512Bf16Kernels();
+  if (avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") && !narrower("avx512"))
+    return s3d::Avx512Bf16Kernels();
   if (avx512) return s3d::Avx512Kernels();
   if (avx2) return s3d::Avx2Kernels();
   return nullptr;
@@ -193,14 +196,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
                   ffi::ResultBuffer<ffi::F32> out, int32_t layout_attr, int32_t x_bf16) {
   const s3d::Kernels* kernels = Chosen();
   if (!kernels) return ffi::Error::Internal("s3djax_matmul: this CPU has neither AVX2 with FMA nor AVX-512");
-  if (layout_attr < 0 || layout_attr > 3) return ffi::Error::InvalidArgument("s3djax_matmul: unknown layout");
+  if (layout_attr < 0 || layout_attr > 4) return ffi::Error::InvalidArgument("s3djax_matmul: unknown layout");
   auto layout = static_cast<s3d::Layout>(layout_attr);
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || od.size() != 2)
     return ffi::Error::InvalidArgument("s3djax_matmul: x, w and out must be 2-D");
   bool nk = layout == s3d::Layout::kNK;
   int64_t m = xd[0], k = xd[1], n = nk ? wd[0] : wd[1], wk = nk ? wd[1] : wd[0];
-  bool panels = layout == s3d::Layout::kPanels || layout == s3d::Layout::kPairs;
+  const bool quads = layout == s3d::Layout::kQuads;
+  bool panels = layout == s3d::Layout::kPanels || layout == s3d::Layout::kPairs || quads;
   if (panels && n % kernels->panel != 0)
     return ffi::Error::InvalidArgument("s3djax_matmul: packed panels do not divide N");
   if (wk != k) return ffi::Error::InvalidArgument("s3djax_matmul: x and w disagree on K");
@@ -216,12 +220,26 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
   if (layout == s3d::Layout::kPairs && (type != s3d::WeightType::kBF16 || k % 2))
     return ffi::Error::InvalidArgument("s3djax_matmul: weights packed in pairs must be bfloat16 with K even");
+  if (quads && (type != s3d::WeightType::kS8 || k % s3d::kQuantBlock))
+    return ffi::Error::InvalidArgument("s3djax_matmul: weights packed in quads must be int8 with K a multiple of 32");
   if (m == 0 || n == 0) return ffi::Error::Success();
   s3d::Problem p{x.typed_data(), w.untyped_data(), scale.element_count() ? scale.typed_data() : nullptr,
                  out->typed_data(), m, k, n, type, layout, CurrentBlocking().Get(), x_bf16 != 0};
   if (k == 0) {
     std::memset(p.out, 0, sizeof(float) * m * n);
     return ffi::Error::Success();
+  }
+  thread_local std::vector<int8_t> x_values;
+  thread_local std::vector<float> x_scales;
+  thread_local std::vector<int32_t> x_offsets;
+  if (quads) {  // once for every tile: a few thousand values
+    x_values.resize(static_cast<size_t>(m * k));
+    x_scales.resize(static_cast<size_t>(m * k / s3d::kQuantBlock));
+    x_offsets.resize(x_scales.size());
+    s3d::QuantizeRows(p.x, m, k, x_values.data(), x_scales.data(), x_offsets.data());
+    p.xq = x_values.data();
+    p.xd = x_scales.data();
+    p.xo = x_offsets.data();
   }
 
   Parallel(&pool, kernels->tiles(p), static_cast<int64_t>(w.size_bytes()) >= kParallelBytes,
@@ -294,6 +312,26 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 namespace s3d {
 
+void QuantizeRows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd, int32_t* xo) {
+  for (int64_t b = 0; b < m * k / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax * (1.0f / 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {
+      // Rounded to the nearest integer, ties to even, as nearbyint in the default mode does for |v| < 2^22, without
+      // its call. A NaN or infinity in the block makes v NaN: its values are then 0 (the output NaN either way).
+      const float v = (xb[i] * id + 12582912.0f) - 12582912.0f;
+      const int32_t q = std::fabs(v) <= 127.0f ? static_cast<int32_t>(v) : 0;
+      xq[b * kQuantBlock + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xd[b] = d;
+    xo[b] = -128 * sum;
+  }
+}
+
 float* AttentionScratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -345,6 +383,12 @@ extern "C" int64_t s3d_cpu_panel() {
 extern "C" int s3d_cpu_pair_dot() {
   const s3d::Kernels* k = Chosen();
   return k && k->pair_dot;
+}
+
+// Whether the vector unit here sums int8 quads in one instruction (W8A8's products, Kernels::int8_dot): 1 or 0.
+extern "C" int s3d_cpu_int8_dot() {
+  const s3d::Kernels* k = Chosen();
+  return k && k->int8_dot;
 }
 
 // Sets the blocking of every later product; -1 where a value is out of range (nothing changes then).

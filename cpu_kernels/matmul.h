@@ -11,8 +11,13 @@ enum class WeightType { kF32, kBF16, kS8 };
 // panels of P = Kernels::panel columns, each panel's K rows one after another (N / P panels, K x P each), or
 // (bfloat16, K even) in panels whose K rows come in pairs, a column's two values side by side
 // ([N / P, K / 2, P, 2]): one load holds two rows' weights, split by a shift and a mask (or multiplied as pairs
-// by AVX-512 BF16's instruction).
-enum class Layout { kKN, kNK, kPanels, kPairs };
+// by AVX-512 BF16's instruction), or (int8, K a multiple of kQuantBlock) in panels whose K rows come in fours
+// ([N / P, K / 4, P, 4]), the quads an integer dot product instruction (AVX-512 VNNI's) takes, times x quantized to
+// int8 (W8A8).
+enum class Layout { kKN, kNK, kPanels, kPairs, kQuads };
+
+// W8A8's x: each row quantized in blocks of this many K (as llama.cpp's Q8_0), one fp32 scale a block.
+constexpr int64_t kQuantBlock = 32;
 
 // How a product's loops are blocked, chosen for the CPU at hand (measured once by s3djax.kernel_tuning, else
 // configs/defaults.yaml). None of it changes a result: each output element is the same fma chain under every blocking
@@ -42,7 +47,17 @@ struct Problem {
   Layout layout;
   Blocking blocking;
   bool x_bf16 = false;  // x's values are all bfloat16 (the model's activations are): a pair of them is exact in 32 bits
+  // kQuads: x quantized (QuantizeRows), [M, K] int8 values, [M, K / kQuantBlock] scales and -128 times each block's
+  // sum of values. out = sum over blocks of (the block's integer dot) * its scale, in block order, times `scale`.
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const int32_t* xo = nullptr;
 };
+
+// x [M, K] (K a multiple of kQuantBlock) into `xq`, `xd` and `xo` as Problem holds them: per block,
+// d = max |x| * (1 / 127) and q = x * (1 / d) rounded to the nearest integer, ties to even (all zero where the block
+// is); the values s3djax's XLA path (cpu_kernels.matmul.quantize_rows) quantizes to, bit for bit.
+void QuantizeRows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd, int32_t* xo);
 
 // Attention of T new query rows over a KV cache: row t of batch b sees every slot below lengths[b], and the
 // scratch slot lengths[b] + j where tree[b, t, j] (j < W). q [B, T, H, D], k and v [B, S, KV, D] and out
@@ -75,6 +90,7 @@ struct Kernels {
   int64_t lanes;  // floats per vector
   int64_t panel;  // columns per packed panel
   bool pair_dot;  // the vector unit multiplies bfloat16 pairs in one instruction (Blocking::pair_dot)
+  bool int8_dot;  // the vector unit sums int8 quads in one instruction (VNNI); elsewhere kQuads runs on fmas, exactly
   int64_t (*tiles)(const Problem&);
   void (*run)(const Problem&, int64_t first_tile, int64_t end_tile);
   // Attention's tiles are (batch, KV head, query row, piece) tuples, B * KV * T * pieces of them; a head holds at

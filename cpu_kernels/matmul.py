@@ -12,7 +12,9 @@ columns (`panel()`, the vector unit's), each panel's K rows one after another, s
 sequential stream where a plain [K, N] weight's column tiles are strided reads; or "pairs", bfloat16 panels
 whose K rows come two at a time, a column's two values side by side, so one load holds two rows' weights (and
 where the vector unit multiplies bfloat16 pairs, `pair_dot()`, and x is bfloat16, one instruction may add both
-products: the blocking's `pair_dot`, measured). Packed weights keep the
+products: the blocking's `pair_dot`, measured); or "quads", int8 panels whose K rows come four at a time, for W8A8
+(`int8_reference`): x quantized to int8 in blocks of QUANT_BLOCK, each block an exact integer dot product (one
+instruction for 64 products where the vector unit has VNNI, `int8_dot()`). Packed weights keep the
 shape [K, N] (the model's modules check their params' shapes); only the order of their elements changes. int8 weights
 bring one fp32 scale per output column. Products accumulate and come out in fp32.
 """
@@ -38,32 +40,66 @@ SWITCH = "S3DJAX_CPU_KERNEL"   # "0" turns the kernel off: every product goes th
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
-LAYOUTS = ("kn", "nk", "panels", "pairs")
+LAYOUTS = ("kn", "nk", "panels", "pairs", "quads")
+PACKED_ROWS = {"panels": 1, "pairs": 2, "quads": 4}  # K rows a packed column holds side by side
+QUANT_BLOCK = 32  # W8A8: x is quantized in blocks of this many K, one scale a block (llama.cpp's Q8_0 blocks)
 
 
-def pack(w, panel: int, pairs: bool = False):
+def pack(w, panel: int, rows: int = 1):
     """A [K, N] weight's elements in panel order (N a multiple of panel), still shaped [K, N]: [N / P, K / s, P, s],
-    each panel's rows s at a time, a column's s values side by side (s = 2 with `pairs`, K even; else 1)."""
+    each panel's rows s = `rows` at a time (K a multiple of s), a column's s values side by side."""
     k, n = w.shape
-    s = 2 if pairs else 1
-    return w.reshape(k // s, s, n // panel, panel).transpose(2, 0, 3, 1).reshape(k, n)
+    return w.reshape(k // rows, rows, n // panel, panel).transpose(2, 0, 3, 1).reshape(k, n)
 
 
-def unpack(w, panel: int, pairs: bool = False):
+def unpack(w, panel: int, rows: int = 1):
     """`pack` undone."""
     k, n = w.shape
-    s = 2 if pairs else 1
-    return w.reshape(n // panel, k // s, panel, s).transpose(1, 3, 0, 2).reshape(k, n)
+    return w.reshape(n // panel, k // rows, panel, rows).transpose(1, 3, 0, 2).reshape(k, n)
 
 
-def packs_pairs(dtype, k: int) -> bool:
-    """Whether a packed weight of `dtype` over K inputs goes in pairs of rows: bfloat16, K even."""
-    return dtype == jnp.bfloat16 and k % 2 == 0
+def packed_layout(dtype, k: int, a8: bool = False) -> str:
+    """How a weight of `dtype` over K inputs is packed: in quads of rows for W8A8 (int8, K a multiple of QUANT_BLOCK),
+    in pairs for bfloat16 (K even), else one row at a time."""
+    if a8 and dtype == jnp.int8 and k % QUANT_BLOCK == 0:
+        return "quads"
+    return "pairs" if dtype == jnp.bfloat16 and k % 2 == 0 else "panels"
+
+
+def quantize_rows(x):
+    """x [..., K] (K a multiple of QUANT_BLOCK) as int8 blocks [..., K / QUANT_BLOCK, QUANT_BLOCK] and one fp32
+    scale a block: d = max |x| * (1 / 127), values x * (1 / d) rounded to the nearest integer, ties to even (zero where the
+    block is, or is not finite). The kernel quantizes to the same values (ffi.cc's QuantizeRows)."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, QUANT_BLOCK)
+    d = jnp.max(jnp.abs(blocks), axis=-1) * (1 / 127)  # XLA makes a division by 127 this product anyway
+    inverse = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0)
+    q = jnp.round(blocks * inverse[..., None])
+    return jnp.where(jnp.isfinite(q), jnp.clip(q, -127, 127), 0).astype(jnp.int8), d
+
+
+def int8_reference(x, w, scale, nk: bool = False):
+    """W8A8: x [..., K] quantized (`quantize_rows`, K padded with zeros to a multiple of QUANT_BLOCK) times the int8
+    w [K, N] (or [N, K] with `nk`), each block's integer dot product times its scale, summed, times scale [N]."""
+    k = x.shape[-1]
+    pad = -k % QUANT_BLOCK
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+        w = jnp.pad(w, [(0, 0), (0, pad)] if nk else [(0, pad), (0, 0)])
+    q, d = quantize_rows(x)
+    blocks = (k + pad) // QUANT_BLOCK
+    w = w.reshape((w.shape[0], blocks, QUANT_BLOCK) if nk else (blocks, QUANT_BLOCK, w.shape[1]))
+    # In fp32, exactly: a block's products and their sum are integers below 2^24. The blocks are summed by a product
+    # too: as a reduction XLA:CPU (jax 0.10.2) made it a YNNPACK fusion, which gave NaN where two met in one program.
+    sums = jnp.einsum("...bk,nbk->...bn" if nk else "...bk,bkn->...bn", q.astype(jnp.float32),
+                      w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("...bn,...b->...n", sums, d, precision=jax.lax.Precision.HIGHEST) * scale
 
 
 def reference(x, w, scale=None, layout: str = "kn"):
-    """x [..., K] @ w in `layout`, times scale [N] if given, in fp32: [..., N]."""
-    w = unpack(w, panel(), layout == "pairs") if layout in ("panels", "pairs") else w
+    """x [..., K] @ w in `layout`, times scale [N] if given, in fp32: [..., N]. "quads" is W8A8 (`int8_reference`)."""
+    w = unpack(w, panel(), PACKED_ROWS[layout]) if layout in PACKED_ROWS else w
+    if layout == "quads":
+        return int8_reference(x, w, scale)
     out = jnp.einsum("...k,nk->...n" if layout == "nk" else "...k,kn->...n", x.astype(jnp.float32),
                      w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return out if scale is None else out * scale
@@ -109,11 +145,19 @@ def pair_dot() -> bool:
 
 
 @functools.cache
+def int8_dot() -> bool:
+    """Whether this CPU's vector unit sums int8 quads in one instruction (AVX-512 VNNI), which W8A8's products take;
+    elsewhere they run on fused multiply-adds, to the same bits."""
+    return not unavailable() and bool(_library().s3d_cpu_int8_dot())
+
+
+@functools.cache
 def _library():
     lib = ctypes.cdll.LoadLibrary(str(LIBRARY))
     lib.s3d_cpu_isa.restype = ctypes.c_char_p
     lib.s3d_cpu_panel.restype = ctypes.c_int64
     lib.s3d_cpu_pair_dot.restype = ctypes.c_int
+    lib.s3d_cpu_int8_dot.restype = ctypes.c_int
     lib.s3d_cpu_set_blocking.argtypes = [ctypes.c_int64] * len(BLOCKING)
     lib.s3d_cpu_blocking.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.s3d_cpu_blocking.restype = None
@@ -185,10 +229,12 @@ def matmul(x, w, scale=None, layout: str = "kn"):
     if unavailable():
         raise RuntimeError(f"the CPU matmul cannot run here: {unavailable()}")
     if w.dtype not in WEIGHT_DTYPES or w.ndim != 2 or x.shape[-1] != w.shape[layout == "nk"] or (
-            layout in ("panels", "pairs") and w.shape[1] % panel()) or (
-            layout == "pairs" and (w.dtype != jnp.bfloat16 or w.shape[0] % 2)):
+            layout in PACKED_ROWS and w.shape[1] % panel()) or (
+            layout == "pairs" and (w.dtype != jnp.bfloat16 or w.shape[0] % 2)) or (
+            layout == "quads" and (w.dtype != jnp.int8 or w.shape[0] % QUANT_BLOCK or scale is None)):
         raise ValueError(f"the CPU matmul takes x [..., K] and a float32, bfloat16 or int8 weight in layout "
-                         f"{layout!r} (pairs: bfloat16, K even); got x {x.shape} and {w.dtype.name} {w.shape}")
+                         f"{layout!r} (pairs: bfloat16, K even; quads: int8 with its scales, K a multiple of "
+                         f"{QUANT_BLOCK}); got x {x.shape} and {w.dtype.name} {w.shape}")
     return _call(x, w, scale, layout)
 
 

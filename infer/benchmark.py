@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 
+from s3djax import quant
 from s3djax.cli import Parser, run, sampling
 from s3djax.config import default_attention
 from s3djax.methods import METHODS
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-cache-len", type=int, default=2048, help="prompts that do not fit with the budget are skipped")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quant", choices=("none", "int8", "int8-all"))
+    p.add_argument("--quant", choices=quant.MODES)
     p.add_argument("--matmul", choices=("xla", "pallas"), default="xla")
     p.add_argument("--attention", choices=("xla", "pallas"), help="default: pallas on a GPU, xla elsewhere")
     p.add_method_options(several=True)
@@ -185,7 +186,6 @@ class JaxMethod(Method):
     """One of our decoders, built once on the Generator's weights; a run is a timed Runner.generate."""
 
     def __init__(self, name, gen, args, greedy: bool = False):
-        from s3djax import quant
 
         options = method_options(args, name)
         session = gen.session(variant(name)[0], **(dict(options, sampling=GREEDY) if greedy else options))

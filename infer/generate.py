@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from s3djax import cli
+from s3djax import cli, quant
 from s3djax.cli import Parser, run
 from s3djax.methods import METHODS
 
@@ -23,9 +23,10 @@ def add_model_flags(p: Parser) -> None:
     p.add_argument("--method", choices=METHODS, default="ar")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-cache-len", type=int, default=2048)
-    p.add_argument("--quant", choices=("none", "int8", "int8-all"),
-                   help="weight-only int8: the layers' linears (int8) or those plus embedding and LM head "
-                   "(int8-all), quantized on load; default: as the checkpoint stores them")
+    p.add_argument("--quant", choices=quant.MODES,
+                   help="int8 weights, quantized on load: weight-only, the layers' linears (int8) or those plus the "
+                   "embedding and LM head (int8-all); or all of them with int8 activations too, an integer dot product "
+                   "each (w8a8, as llama.cpp's Q8_0); default: as the checkpoint stores them")
     p.add_argument("--matmul", choices=("xla", "pallas"), default="xla",
                    help="int8 matmul: XLA's fused convert, or the Pallas kernel (interpret mode on CPU: slow)")
     p.add_argument("--attention", choices=("xla", "pallas"),

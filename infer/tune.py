@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 
+from s3djax import quant
 from s3djax.cli import Parser, run
 
 from s3djax.speed_model import DEPTH_OPTION, comparison_error
@@ -27,7 +28,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="checkpoint folder for a registry shape such as llama-2-7b")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quant", choices=("none", "int8", "int8-all"))
+    p.add_argument("--quant", choices=quant.MODES)
     p.add_argument("--again", action="store_true", help="measure even where step times are cached")
     p.add_argument("--out", help="folder for tune.md")
     args = p.parse_args(argv)

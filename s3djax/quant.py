@@ -1,12 +1,16 @@
-"""Weight-only int8 (W8A16): symmetric int8 values with one fp32 scale per output channel.
+"""int8 weights: symmetric int8 values with one fp32 scale per output channel; weight-only (W8A16: "int8" for the
+layers' linears, "int8-all" for the embedding and LM head too), or with int8 activations too ("w8a8": every product's
+input quantized in blocks of 32, as llama.cpp's Q8_0 is, each block an exact integer dot product;
+`cpu_kernels.matmul.int8_reference`).
 
 A quantized weight is an `Int8Weight` node in the ordinary params pytree, and the model reads every
 weight through `dot`, `take` and `head`, so float and quantized params share one forward. Linears
 [in, out] keep a scale per column. The embedding and LM-head tables [V, D] keep one per row, which
 is both the lookup's row and the head's output channel.
 
-Activations stay in the model's dtype: on GPU the convert fuses into the dot, so decode reads one
-byte per weight instead of two or four.
+Weight-only, activations stay in the model's dtype: on GPU the convert fuses into the dot, so decode reads one
+byte per weight instead of two or four. W8A8 does the arithmetic of several rows in integers: on a CPU with VNNI one
+instruction makes 64 products, so a verify step's rows cost little more than one row's weights (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ import jax.numpy as jnp
 
 from s3djax.errors import UserError
 
-MODES = ("none", "int8", "int8-all")
+MODES = ("none", "int8", "int8-all", "w8a8")
 KERNELS = ("xla", "pallas")
 LINEARS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 TABLES = ("embed", "lm_head")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
-                   meta_fields=["axis", "dtype", "kernel"])
+                   meta_fields=["axis", "dtype", "kernel", "a8"])
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
     values: jax.Array  # int8, the float weight's shape
@@ -36,6 +40,7 @@ class Int8Weight:
     axis: int = 1      # the output-channel axis of `values`: 1 for linears, 0 for tables
     dtype: str = "float32"  # the activations' dtype, which products come out in
     kernel: str = "xla"     # how `dot` multiplies: XLA's fused convert, or the Pallas kernel
+    a8: bool = False        # W8A8: the activations multiplied are quantized to int8 too
 
     @property
     def shape(self):
@@ -48,7 +53,7 @@ class Int8Weight:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
-                   meta_fields=["dtype", "panel", "table", "pairs"])
+                   meta_fields=["dtype", "panel", "table", "rows"])
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A weight laid out once for the CPU kernel (`cpu_kernels.matmul.pack`): a linear [K, N], or a table
@@ -62,7 +67,18 @@ class Packed:
     dtype: str = "float32"  # the activations' dtype, which products come out in
     panel: int = 64         # columns of the [K, N] product per panel
     table: bool = False
-    pairs: bool = False     # bfloat16 panels in pairs of K rows (cpu_kernels.matmul's "pairs", `packs_pairs`)
+    rows: int = 1           # K rows a column holds side by side (cpu_kernels.matmul's PACKED_ROWS, `packed_layout`):
+                            # 2, bfloat16 pairs; 4, W8A8's int8 quads
+
+    @property
+    def layout(self) -> str:
+        from cpu_kernels.matmul import PACKED_ROWS
+
+        return next(name for name, rows in PACKED_ROWS.items() if rows == self.rows)
+
+    @property
+    def a8(self) -> bool:
+        return self.rows == 4
 
     @property
     def shape(self):
@@ -76,17 +92,17 @@ class Packed:
         """The source weight, a plain array or an `Int8Weight`: what XLA's paths read."""
         from cpu_kernels.matmul import unpack
 
-        w = unpack(self.kn(), self.panel, self.pairs)
+        w = unpack(self.kn(), self.panel, self.rows)
         w = w.T if self.table else w
-        return w if self.scale is None else Int8Weight(w, self.scale, 0 if self.table else 1, self.dtype)
+        return w if self.scale is None else Int8Weight(w, self.scale, 0 if self.table else 1, self.dtype, a8=self.a8)
 
     def table_rows(self, ids):
         """Rows of a packed table, gathered from its panels without unpacking the rest."""
         n, k = self.values.shape
-        s = 2 if self.pairs else 1  # `pack`'s [N / P, K / s, P, s]
+        s = self.rows  # `pack`'s [N / P, K / s, P, s]
         values = self.values.reshape(n // self.panel, k // s, self.panel, s)[ids // self.panel, :, ids % self.panel]
         values = values.reshape(*values.shape[:-2], k)
-        return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype)
+        return values if self.scale is None else Int8Weight(values, self.scale[ids], 0, self.dtype, a8=self.a8)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values"], meta_fields=[])
@@ -140,24 +156,25 @@ def dequantize(w):
     return (w.values.astype(jnp.float32) * scale).astype(w.dtype)
 
 
-def _convert(w, channel_axis: int, quantized: bool, dtype, kernel: str):
-    if not quantized:
+def _convert(w, channel_axis: int, mode: str, dtype, kernel: str):
+    if mode == "none":
         return jnp.asarray(dequantize(w), dtype)
     if not isinstance(w, Int8Weight):
         w = quantize(w, channel_axis)
     if w.axis != channel_axis:
         raise ValueError(f"an int8 weight quantized along axis {w.axis} where axis {channel_axis} was expected")
-    return Int8Weight(jnp.asarray(w.values), jnp.asarray(w.scale, jnp.float32), w.axis, jnp.dtype(dtype).name, kernel)
+    return Int8Weight(jnp.asarray(w.values), jnp.asarray(w.scale, jnp.float32), w.axis, jnp.dtype(dtype).name, kernel,
+                      mode == "w8a8")
 
 
 def linear(w, mode: str, dtype, kernel: str = "xla"):
     """A layer's [in, out] weight, float or Int8Weight, as `mode` asks (converting either way)."""
-    return _convert(w, 1, mode != "none", dtype, kernel)
+    return _convert(w, 1, "int8" if mode == "int8-all" else mode, dtype, kernel)
 
 
 def table(w, mode: str, dtype, kernel: str = "xla"):
-    """The embedding or LM head [V, D]: int8 only under int8-all."""
-    return _convert(w, 0, mode == "int8-all", dtype, kernel)
+    """The embedding or LM head [V, D]: int8 only under int8-all and w8a8."""
+    return _convert(w, 0, {"int8-all": "int8", "w8a8": "w8a8"}.get(mode, "none"), dtype, kernel)
 
 
 def check_mode(mode: str, kernel: str = "xla") -> None:
@@ -165,6 +182,9 @@ def check_mode(mode: str, kernel: str = "xla") -> None:
         raise UserError(f"unknown quantization {mode!r}; choose from {', '.join(MODES)}")
     if kernel not in KERNELS:
         raise UserError(f"unknown int8 matmul {kernel!r}; choose from {', '.join(KERNELS)}")
+    if mode == "w8a8" and kernel != "xla":
+        raise UserError(f"--quant w8a8 multiplies in integers through XLA or the CPU kernel, not the {kernel} int8 "
+                        "matmul; leave --matmul at xla")
 
 
 def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
@@ -184,6 +204,11 @@ def apply(params: dict, mode: str, dtype, kernel: str = "xla") -> dict:
 
 def is_int8(x) -> bool:
     return isinstance(x, Int8Weight) or (isinstance(x, Packed) and x.values.dtype == jnp.int8)
+
+
+def is_a8(x) -> bool:
+    """An int8 weight whose products quantize their activations too (W8A8)."""
+    return isinstance(x, (Int8Weight, Packed)) and x.a8
 
 
 def is_weight(x) -> bool:
@@ -214,8 +239,11 @@ def compiler_options(params) -> dict:
 
 
 def mode_of(params: dict) -> str:
-    if not any(is_int8(w) for w in jax.tree.leaves(params["layers_0"], is_leaf=is_weight)):
+    layer = jax.tree.leaves(params["layers_0"], is_leaf=is_weight)
+    if not any(is_int8(w) for w in layer):
         return "none"
+    if any(is_a8(w) for w in layer):
+        return "w8a8"
     return "int8-all" if is_int8(params["embed"]) else "int8"
 
 
@@ -232,9 +260,14 @@ def dot(h, w, cpu_kernel: bool = False):
     `cpu_kernel`: on the CPU, through the native decode matmul (`cpu_kernels.matmul`) where it can run;
     lowered for any other platform, the code is XLA's as without it.
     """
-    if _use_cpu_kernel(cpu_kernel or isinstance(w, Packed), h):
+    if _use_cpu_kernel(cpu_kernel or isinstance(w, Packed), h) and _kernel_takes(w):
         return _kernel_dot(h, w)
     return _xla_dot(h, w)
+
+
+def _kernel_takes(w) -> bool:
+    """Whether the CPU kernel multiplies by w: W8A8's only as int8 quads (`pack_for_cpu`, K a multiple of 32)."""
+    return not isinstance(w, Int8Weight) or not w.a8
 
 
 # Jitted so that a model's many products of one shape are traced once, not once per layer: tracing both
@@ -251,6 +284,10 @@ def _xla_dot(h, w):
         w = w.unpacked()
     if not isinstance(w, Int8Weight):
         return h @ w
+    if w.a8:
+        from cpu_kernels.matmul import int8_reference
+
+        return int8_reference(h, w.values, w.scale).astype(h.dtype)
     if w.kernel == "pallas":
         from pallas_kernels.int8_matmul import int8_matmul
 
@@ -278,7 +315,7 @@ def rows(table_, ids):
 
 def head(hidden, table_, cpu_kernel: bool = False):
     """fp32 logits hidden [..., D] x table [V, D]^T (the tied or untied LM head); `cpu_kernel` as for `dot`."""
-    if _use_cpu_kernel(cpu_kernel or isinstance(table_, Packed), hidden):
+    if _use_cpu_kernel(cpu_kernel or isinstance(table_, Packed), hidden) and _kernel_takes(table_):
         return _kernel_head(hidden, table_)
     return _xla_head(hidden, table_)
 
@@ -294,6 +331,10 @@ def _xla_head(hidden, table_):
         table_ = table_.unpacked()
     if not isinstance(table_, Int8Weight):
         return jnp.einsum("...d,vd->...v", hidden, table_, preferred_element_type=jnp.float32)
+    if table_.a8:
+        from cpu_kernels.matmul import int8_reference
+
+        return int8_reference(hidden, table_.values, table_.scale, nk=True)
     out = jnp.einsum("...d,vd->...v", hidden, table_.values.astype(hidden.dtype), preferred_element_type=jnp.float32)
     return out * table_.scale
 
@@ -319,7 +360,7 @@ def _cpu_kernel(h, w, *, layout: str, out=None):
     from cpu_kernels import matmul
 
     if isinstance(w, Packed):
-        values, scale, layout = w.kn(), w.scale, "pairs" if w.pairs else "panels"
+        values, scale, layout = w.kn(), w.scale, w.layout
     else:
         values, scale = (w.values, w.scale) if isinstance(w, Int8Weight) else (w, None)
     return matmul.matmul(h, values, scale, layout).astype(out or h.dtype)
@@ -351,9 +392,12 @@ def pack_for_cpu(params):
         if values.ndim != 2 or values.shape[0 if table else 1] % panel or (
                 isinstance(w, Int8Weight) and (w.axis, w.kernel) != (0 if table else 1, "xla")):
             return w
-        pairs = matmul.packs_pairs(values.dtype, values.shape[1 if table else 0])
-        return _made_once("packed", [values], lambda: Packed(_pack(values, panel, table, pairs), scale, dtype, panel,
-                                                             table, pairs))
+        layout = matmul.packed_layout(values.dtype, values.shape[1 if table else 0], is_a8(w))
+        if is_a8(w) and layout != "quads":
+            return w  # W8A8 over a K the kernel's quads cannot take: XLA's integer dot
+        rows = matmul.PACKED_ROWS[layout]
+        return _made_once("packed", [values], lambda: Packed(_pack(values, panel, table, rows), scale, dtype, panel,
+                                                             table, rows))
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=is_weight)
 
@@ -430,14 +474,15 @@ def _join_for_cpu(ws):
     scales per column) of one activation dtype; else None. Made once while its parts live."""
     if all(map(_plain, ws)) and len({w.dtype for w in ws}) == 1:
         values, scales = list(ws), None
-    elif all(isinstance(w, Int8Weight) and (w.axis, w.kernel, w.dtype) == (1, "xla", ws[0].dtype) for w in ws):
+    elif all(isinstance(w, Int8Weight) and (w.axis, w.kernel, w.dtype, w.a8) == (1, "xla", ws[0].dtype, ws[0].a8)
+             for w in ws):
         values, scales = [w.values for w in ws], [w.scale for w in ws]
     else:
         return None
 
     def join():
         v = jnp.concatenate(values, axis=1)
-        return v if scales is None else Int8Weight(v, jnp.concatenate(scales), 1, ws[0].dtype)
+        return v if scales is None else Int8Weight(v, jnp.concatenate(scales), 1, ws[0].dtype, a8=ws[0].a8)
     return _made_once("joined", values, join)
 
 
@@ -448,7 +493,7 @@ def _transposed(*ws):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _pack(values, panel: int, table: bool, pairs: bool):
+def _pack(values, panel: int, table: bool, rows: int):
     from cpu_kernels.matmul import pack
 
-    return pack(values.T, panel, pairs).reshape(values.shape) if table else pack(values, panel, pairs)
+    return pack(values.T, panel, rows).reshape(values.shape) if table else pack(values, panel, rows)

@@ -36,22 +36,25 @@ def inputs(m, k, n, dtype, layout, seed=0, x_dtype=jnp.float32):
         w, scale = jnp.asarray(rng.standard_normal((k, n), np.float32) / np.sqrt(k), dtype), None
     if layout == "nk":
         w = w.T
-    elif layout in ("panels", "pairs"):
-        w = cm.pack(w, cm.panel(), layout == "pairs")
+    elif layout in cm.PACKED_ROWS:
+        w = cm.pack(w, cm.panel(), cm.PACKED_ROWS[layout])
     return x, w, scale
 
 
 def cases(shapes, layouts=cm.LAYOUTS, dtypes=tuple(DTYPES)):
     """(m, k, n, dtype, layout, x's dtype) for every weight dtype and layout each takes, over `shapes`: pairs
-    (bfloat16 only) at an even K, with x in float32 and in bfloat16 (the pair instruction's case)."""
+    (bfloat16 only) at an even K, with x in float32 and in bfloat16 (the pair instruction's case); W8A8's quads (int8
+    only) at K rounded up to a multiple of its blocks."""
     for dtype in (DTYPES[name] for name in dtypes):
         for layout in layouts:
-            if layout == "pairs" and dtype != jnp.bfloat16:
+            if (layout == "pairs" and dtype != jnp.bfloat16) or (layout == "quads" and dtype != jnp.int8):
                 continue
             for x_dtype in (jnp.float32, jnp.bfloat16) if dtype == jnp.bfloat16 else (jnp.float32,):
                 for m, k, n in shapes:
-                    if layout in ("panels", "pairs"):
+                    if layout in cm.PACKED_ROWS:
                         n = cm.panel() * (1 + n // 100)
+                    if layout == "quads":
+                        k = -(-k // cm.QUANT_BLOCK) * cm.QUANT_BLOCK
                     yield m, k + k % 2 if layout == "pairs" else k, n, dtype, layout, x_dtype
 
 
@@ -125,9 +128,9 @@ def test_kernel_on_avx2():
 
 
 def test_kernel_on_avx512_without_bf16():
-    """Where the CPU has AVX-512 BF16, the AVX-512 loops without it (the same template, other flags) on bfloat16, the
-    one dtype whose loops the two differ in."""
-    on_avx2("tests.test_cpu_matmul", "avx512", "check_all(dtypes=('bf16',))")
+    """Where the CPU has AVX-512 BF16 and VNNI, the AVX-512 loops without them (the same template, other flags) on
+    bfloat16 and int8, the dtypes whose loops the two differ in (pairs, and W8A8's quads on fmas)."""
+    on_avx2("tests.test_cpu_matmul", "avx512", "check_all(dtypes=('bf16', 'int8'))")
 
 
 def test_pack_round_trip_and_gradient():
@@ -135,12 +138,15 @@ def test_pack_round_trip_and_gradient():
     packed = cm.pack(w, cm.panel())
     assert packed.shape == w.shape and not (packed == w).all()
     assert (cm.unpack(packed, cm.panel()) == w).all()
-    pairs = cm.pack(w, cm.panel(), pairs=True)
-    assert not (pairs == packed).all() and (cm.unpack(pairs, cm.panel(), pairs=True) == w).all()
-    # Panel p, rows 2i and 2i + 1: column c's two values side by side.
+    pairs, quads = cm.pack(w, cm.panel(), 2), cm.pack(w, cm.panel(), 4)
+    assert not (pairs == packed).all() and (cm.unpack(pairs, cm.panel(), 2) == w).all()
+    assert not (quads == pairs).all() and (cm.unpack(quads, cm.panel(), 4) == w).all()
+    # Panel p, rows 2i and 2i + 1 (4i to 4i + 3): column c's two (four) values side by side.
     p, i, c = 1, 3, 5
     assert pairs.reshape(-1)[((p * 10 + i) * cm.panel() + c) * 2:][:2].tolist() == \
         [w[2 * i, p * cm.panel() + c], w[2 * i + 1, p * cm.panel() + c]]
+    assert quads.reshape(-1)[((p * 5 + i) * cm.panel() + c) * 4:][:4].tolist() == \
+        [w[4 * i + j, p * cm.panel() + c] for j in range(4)]
     grad = jax.grad(lambda x: cm.matmul(x, packed, None, "panels").sum())(x)
     np.testing.assert_allclose(grad, jax.grad(lambda x: (x @ w).sum())(x), rtol=1e-6)
 
@@ -149,7 +155,9 @@ def test_pack_round_trip_and_gradient():
                                           (8, jnp.ones((7, 4), jnp.float32), "kn"),     # K disagrees
                                           (8, jnp.ones((8, 65), jnp.float32), "panels"),  # panels do not divide N
                                           (8, jnp.ones((8, 64), jnp.float32), "pairs"),  # pairs are bfloat16
-                                          (7, jnp.ones((7, 64), jnp.bfloat16), "pairs")])  # over an even K
+                                          (7, jnp.ones((7, 64), jnp.bfloat16), "pairs"),  # over an even K
+                                          (32, jnp.ones((32, 64), jnp.float32), "quads"),  # quads are int8
+                                          (33, jnp.ones((33, 64), jnp.int8), "quads")])  # over K in blocks of 32
 def test_bad_input_is_a_clear_error(k, w, layout):
     with pytest.raises(ValueError, match="the CPU matmul takes"):
         cm.matmul(jnp.ones((2, k)), w, None, layout)
@@ -168,6 +176,9 @@ def test_handler_refuses_bad_buffers_without_crashing():
     with pytest.raises(Exception, match="pairs must be bfloat16 with K even"):
         jax.block_until_ready(pairs(jnp.ones((2, 7)), jnp.ones((7, cm.panel()), jnp.bfloat16), jnp.zeros((0,)),
                                     layout=np.int32(3), x_bf16=none))
+    with pytest.raises(Exception, match="quads must be int8 with K a multiple of 32"):
+        jax.block_until_ready(pairs(jnp.ones((2, 40)), jnp.ones((40, cm.panel()), jnp.int8), jnp.ones((cm.panel(),)),
+                                    layout=np.int32(4), x_bf16=none))
 
 
 def test_unavailable_kernel_falls_back_with_one_line():
@@ -237,20 +248,24 @@ def test_model_logits_match_xla(smollm2):
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-def test_speculative_methods_match_ar_on_the_kernel_in_int8():
-    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8, tables packed too (in fp32 the kernel is
-    the CPU's default path, which every SmolLM2 test takes; bfloat16: tests/test_optimized_compile.py), over a bfloat16
-    KV cache. The context grows across the attention kernel's first piece boundary (256 keys), where a verify pass
-    holds rows of one piece and of two."""
+@pytest.mark.parametrize("quantization", ["int8-all", "w8a8"])
+def test_speculative_methods_match_ar_on_the_kernel_in_int8(quantization):
+    """Greedy s3d and kangaroo through the kernel give ar's tokens in int8, weight-only and W8A8, tables packed too (in
+    fp32 the kernel is the CPU's default path, which every SmolLM2 test takes; bfloat16:
+    tests/test_optimized_compile.py), over a bfloat16 KV cache. The context grows across the attention kernel's first
+    piece boundary (256 keys), where a verify pass holds rows of one piece and of two."""
     from s3djax.loading import load_model
 
-    model = load_model("smollm2-135m", quantization="int8-all", progress=False)
+    model = load_model("smollm2-135m", quantization=quantization, progress=False)
     prompt = [(7 * i) % 1000 + 100 for i in range(244)]
     tokens = {}
     for method in ("ar", "s3d", "kangaroo"):
         built = methods.build(method, on_path(model, True), max_cache_len=512, kv_dtype="bfloat16")
         assert getattr(built.decoder, "ar", built.decoder).cache_dtype == "bfloat16"
         tokens[method] = Runner(built.decoder, built.params).generate(prompt, 24).tokens
+        if quantization == "w8a8":  # every product of the target and of the drafts' int8 copies in integers
+            packed = [w for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight) if quant.is_int8(w)]
+            assert packed and all(isinstance(w, quant.Packed) and w.layout == "quads" for w in packed)
     assert tokens["s3d"] == tokens["ar"] == tokens["kangaroo"]
     assert len(tokens["ar"]) == 24
 
@@ -263,8 +278,35 @@ def test_a_bfloat16_model_packs_its_weights_in_pairs():
     built = methods.build("s3d", load_model("smollm2-135m", dtype="bfloat16", progress=False), max_cache_len=64,
                           dtype="bfloat16")
     packed = [w for w in jax.tree.leaves(built.params, is_leaf=quant.is_weight) if isinstance(w, quant.Packed)]
-    assert any(w.pairs for w in packed)
-    assert all(w.pairs == (w.values.dtype == jnp.bfloat16) for w in packed)
-    table = next(w for w in packed if w.table and w.pairs)
+    assert any(w.layout == "pairs" for w in packed)
+    assert all((w.layout == "pairs") == (w.values.dtype == jnp.bfloat16) for w in packed)
+    table = next(w for w in packed if w.table and w.layout == "pairs")
     ids = jnp.asarray([0, 5, 12345])
     assert (np.asarray(quant.rows(table, ids)) == np.asarray(table.unpacked()[ids])).all()
+
+
+def test_w8a8_is_the_integer_product_of_int8_activations_on_xla_too(smollm2):
+    """W8A8 on XLA's path (a GPU's, and a CPU without the kernel) is the kernel's product: x quantized to the same int8
+    values (ffi.cc's QuantizeRows and `quantize_rows`, ties to even), each block's integer dot exact; and on SmolLM2's
+    own activations a layer's products agree with the kernel's to fp32 rounding. Its quantization is of the input:
+    a row scaled by a power of two gives the same values, and an all-zero block gives zeros, not NaN."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 96)), jnp.float32).at[1, 32:64].set(0.0)
+    q, d = cm.quantize_rows(x)
+    assert q.dtype == jnp.int8 and q.shape == (4, 3, 32) and (np.abs(np.asarray(q)).max(-1) == 127).sum() == 11
+    assert (np.asarray(cm.quantize_rows(4 * x)[0]) == np.asarray(q)).all() and float(d[1, 1]) == 0.0
+    w = jnp.asarray(np.random.default_rng(4).integers(-127, 128, (96, cm.panel())), jnp.int8)
+    scale = jnp.full((cm.panel(),), 0.01, jnp.float32)
+    exact = np.einsum("mbk,bkn->mbn", np.asarray(q, np.int64), np.asarray(w, np.int64).reshape(3, 32, -1))
+    want = (exact * np.asarray(d, np.float64)[..., None]).sum(1) * 0.01
+    for got in (cm.int8_reference(x, w, scale), cm.matmul(x, cm.pack(w, cm.panel(), 4), scale, "quads")):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        assert np.isfinite(np.asarray(got)).all()
+    params = quant.apply({"layers_0": smollm2.params["layers_0"]}, "w8a8", jnp.float32)
+    packed = quant.pack_for_cpu(params)
+    h = jnp.asarray(np.random.default_rng(5).standard_normal((3, 576)), jnp.float32)
+    for name in ("q", "gate"):
+        plain = params["layers_0"]["attn" if name == "q" else "mlp"][name]
+        assert quant.is_a8(plain) and quant.mode_of(params) == "w8a8"
+        joined = packed["layers_0"]["attn" if name == "q" else "mlp"]["qkv" if name == "q" else "gate_up"]
+        got = np.asarray(quant.dot(h, joined))[:, :plain.shape[1]]
+        np.testing.assert_allclose(got, np.asarray(quant.dot(h, plain)), rtol=1e-5, atol=1e-5 * np.abs(got).max())

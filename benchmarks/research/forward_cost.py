@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 
 from benchmarks import report
+from s3djax import quant
 from s3djax.cli import Parser, run
 
 TOKENS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 17, 20)
@@ -49,7 +50,7 @@ def main():
     p.add_argument("--max-cache-len", type=int, default=2048)
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quant", choices=("none", "int8", "int8-all"), default="none", help="int8 weights, as --quant")
+    p.add_argument("--quant", choices=quant.MODES, default="none", help="int8 weights, as --quant")
     p.add_argument("--methods", default=list(GOALS), type=method_list,
                    help=f"speculative methods whose steps are timed (default {','.join(GOALS)})")
     p.add_argument("--gammas", default=[1, 2, 4, 8], type=gamma_list,

@@ -65,7 +65,8 @@ def main():
     variants = {"float32 (original)": m.params,
                 "bfloat16": jax.tree.map(lambda a: a.astype(jnp.bfloat16), m.params),
                 "int8": quant.apply(m.params, "int8", jnp.float32),
-                "int8-all": quant.apply(m.params, "int8-all", jnp.float32)}
+                "int8-all": quant.apply(m.params, "int8-all", jnp.float32),
+                "w8a8": quant.apply(m.params, "w8a8", jnp.float32)}
     results = {name: run_all(params) for name, params in bar(variants.items(), desc="scoring")}
     mask = eval_rows["loss_mask"][:, 1:].astype(bool)  # position t predicts token t+1, scored where it is trained on
     base_prompts, base_rows, _ = results["float32 (original)"]
@@ -88,7 +89,8 @@ def main():
         f"- ShareGPT held-out: {args.rows} rows of {eval_rows['tokens'].shape[1]} tokens from `{args.data}`, "
         f"assistant positions only ({int(mask.sum())} positions)",
         "- agreement: the variant's greedy next token equals the float32 model's, teacher-forced",
-        "- int8: the layers' linears; int8-all: those plus the tied embedding / LM head; activations fp32",
+        "- int8: the layers' linears; int8-all: those plus the tied embedding / LM head; activations fp32; w8a8: "
+        "int8-all's weights, every product's input quantized to int8 in blocks of 32 (XLA's integer dot)",
         "",
         "| weights | parameter bytes | vs float32 | agreement, MT-Bench | agreement, ShareGPT | perplexity, ShareGPT |",
         "| --- | --- | --- | --- | --- | --- |",

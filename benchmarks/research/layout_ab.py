@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 
 from benchmarks import report
+from s3djax import quant
 from s3djax.cli import Parser, run
 
 
@@ -24,7 +25,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quant", choices=("none", "int8", "int8-all"), default="none")
+    p.add_argument("--quant", choices=quant.MODES, default="none")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     from s3djax.methods import METHODS
@@ -33,7 +34,7 @@ def main():
 
     import s3djax
     from cpu_kernels import matmul
-    from s3djax import bench_data, device, quant
+    from s3djax import bench_data, device
     from s3djax.errors import UserError
 
     if not matmul.usable():

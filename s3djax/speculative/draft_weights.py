@@ -44,7 +44,9 @@ def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan
     check_mode(mode)
     if mode == "none":
         return draft
-    out = {**draft, **{name: quant.apply(draft[name], "int8", dtype) for name in own}}
+    # Under a W8A8 target the copies multiply in integers as the target does: weight-only int8 would be its slower path.
+    int8 = "w8a8" if quant.mode_of(params) == "w8a8" else "int8"
+    out = {**draft, **{name: quant.apply(draft[name], int8, dtype) for name in own}}
     if plan is not None:
         runs = {i: [part for part, on in (("attn", plan.attn[i]), ("mlp", plan.mlp[i])) if on]
                 for i in range(plan.num_layers)}
@@ -53,13 +55,13 @@ def attach(draft: dict, params: dict, mode: str | None, dtype, *, plan: SkipPlan
         merged = folded(layers, draft.get("lora")) if fold else None
         if merged is not None:
             layers, out = merged, {k: v for k, v in out.items() if k != "lora"}
-        layers = quant.apply(layers, "int8", dtype)
+        layers = quant.apply(layers, int8, dtype)
         out["weights"] = {str(i): layers[layer_key(i)] for i, parts in runs.items() if parts}
         if "layers" in draft:  # S2D's own float layers (under a changed target): the copies replace their linears
             out["layers"] = [{k: v for k, v in layer.items() if k not in out["weights"].get(str(i), {})}
                              for i, layer in enumerate(draft["layers"])]
     if "head" in draft:
-        out["head"] = quant.table(draft["head"], "int8-all", dtype)
+        out["head"] = quant.table(draft["head"], "w8a8" if int8 == "w8a8" else "int8-all", dtype)
     return out
 
 
