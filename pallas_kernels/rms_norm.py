@@ -23,8 +23,21 @@ def reference(x, scale, eps: float, residual=None):
     if residual is not None:
         x = x + residual
     x32 = x.astype(jnp.float32)
-    normed = scale * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    squares = jax.lax.platform_dependent(x32 * x32, cpu=row_sums, default=lambda s: jnp.sum(s, -1, keepdims=True))
+    normed = scale * (x32 * jax.lax.rsqrt(squares / x.shape[-1] + eps)).astype(x.dtype)
     return normed if residual is None else (x, normed)
+
+
+def row_sums(x):
+    """x [..., D] summed over D, [..., 1], by halves in a fixed tree of elementwise adds (D padded with zeros to a
+    power of two): every row's bits its own. XLA:CPU sums a reduction otherwise for 8 rows and more than for fewer
+    (at SmolLM2's width, 2026-12-02), so a verify pass's rows would not be normed as the same rows alone."""
+    width = 1 << max(0, (x.shape[-1] - 1).bit_length())
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
 
 
 def _kernel(*refs, eps: float, width: int, add: bool):

@@ -64,7 +64,6 @@ PROMPT = ["--prompt", "hello there, how are you today?"]
     (["--method", "s3d", "--lookup", "2", "--tree", "top2"], "s3d's tree must be the chain, not top2"),
     (["--method", "s3d", "--in-verify", "on", "--tree", "tree-8"], "--in-verify drafts a chain, so s3d's tree"),
     (["--method", "s3d", "--in-verify", "yes"], "argument --in-verify: invalid choice"),
-    (["--method", "s3d", "--in-verify", "on", "--quant", "w8a8"], "--in-verify on is not lossless under --quant w8a8"),
     (["--quant", "w8a8", "--matmul", "pallas"], "--quant w8a8 multiplies in integers"),
     (["--method", "kangaroo", "--lookup", "1", "--tree", "top2"], "kangaroo's tree must be the chain, not top2"),
     (["--method", "s2d", "--lookup", "1", "--tree", "top2"], "s2d's tree must be the chain, not top2"),

@@ -59,3 +59,20 @@ def test_a_decoder_with_the_pallas_norms_decodes_as_with_xla():
         state = jax.eval_shape(d.start, params, jnp.zeros((1, 8), jnp.int32), jnp.full((1,), 8, jnp.int32), jax.random.key(0))
         step = str(jax.make_jaxpr(d.decode)(params, state, jnp.int32(4)))
         assert ("name=rms_norm" in step) == (impl == "pallas")
+
+
+@pytest.mark.parametrize("width", [576, 64, 96])  # SmolLM2's, a power of two, another
+def test_on_the_cpu_each_row_is_normed_as_it_is_alone(width):
+    """A verify pass's rows (a tree's, drafting inside the verify pass, a batch's) normed as the same rows one at a
+    time, bit for bit, whatever their count: XLA:CPU's reduction summed 8 rows and more otherwise than fewer, so the target's
+    rows of a 9-row verify pass differed from `ar`'s in their last bits (W8A8 turned that into other tokens)."""
+    keys = jax.random.split(jax.random.key(width), 3)
+    x, residual = (3 * jax.random.normal(k, (1, 40, width), jnp.float32) for k in keys[:2])
+    scale = 1 + 0.1 * jax.random.normal(keys[2], (width,), jnp.float32)
+    norm = jax.jit(lambda x, r: reference(x, scale, 1e-5, r))
+    alone = [np.asarray(norm(x[:, i:i + 1], residual[:, i:i + 1])[1]) for i in range(40)]
+    for rows in (2, 8, 9, 17, 40):
+        together = np.asarray(norm(x[:, :rows], residual[:, :rows])[1])
+        assert all((together[:, i:i + 1] == alone[i]).all() for i in range(rows)), rows
+    np.testing.assert_allclose(together, np.asarray(x + residual) * jax.lax.rsqrt(
+        jnp.mean(jnp.square(x + residual), -1, keepdims=True) + 1e-5) * np.asarray(scale), rtol=2e-6)
