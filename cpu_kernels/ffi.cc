@@ -321,7 +321,8 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int8_t* xq, float* xd, i
     int32_t sum = 0;
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       // Rounded to the nearest integer, ties to even, as nearbyint in the default mode does for |v| < 2^22, without
-      // its call. A NaN or infinity in the block makes v NaN: its values are then 0 (the output NaN either way).
+      // its call. An infinity makes d infinite and v NaN: the block's values are then 0 and the output NaN. A NaN is
+      // passed over by the max and quantized to 0 (XLA's path, quantize_rows, gives NaN there).
       const float v = (xb[i] * id + 12582912.0f) - 12582912.0f;
       const int32_t q = std::fabs(v) <= 127.0f ? static_cast<int32_t>(v) : 0;
       xq[b * kQuantBlock + i] = static_cast<int8_t>(q);

@@ -23,8 +23,8 @@ def reference(x, scale, eps: float, residual=None):
     if residual is not None:
         x = x + residual
     x32 = x.astype(jnp.float32)
-    squares = jax.lax.platform_dependent(x32 * x32, cpu=row_sums, default=lambda s: jnp.sum(s, -1, keepdims=True))
-    normed = scale * (x32 * jax.lax.rsqrt(squares / x.shape[-1] + eps)).astype(x.dtype)
+    sum_squares = jax.lax.platform_dependent(x32 * x32, cpu=row_sums, default=lambda s: jnp.sum(s, -1, keepdims=True))
+    normed = scale * (x32 * jax.lax.rsqrt(sum_squares / x.shape[-1] + eps)).astype(x.dtype)
     return normed if residual is None else (x, normed)
 
 
